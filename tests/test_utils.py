@@ -1,0 +1,181 @@
+"""Each vectorised formula against a naive reference: LOO baseline, KL estimators, masked statistics, truncation,
+logprobs, sampling."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import utils  # noqa: E402
+from rloo import rloo_advantages  # noqa: E402
+
+
+def test_rloo_advantages_match_loop():
+    k, prompts = 4, 5
+    rewards = torch.randn(k * prompts, generator=torch.Generator().manual_seed(0))
+    expected = torch.zeros_like(rewards)
+    for j in range(prompts):
+        for i in range(k):
+            others = [rewards[m * prompts + j].item() for m in range(k) if m != i]
+            expected[i * prompts + j] = rewards[i * prompts + j] - sum(others) / (k - 1)
+    torch.testing.assert_close(rloo_advantages(rewards, k), expected)
+    # the advantages of one prompt's completions sum to zero: the baseline takes nothing from the expected gradient
+    torch.testing.assert_close(rloo_advantages(rewards, k).reshape(k, prompts).sum(0), torch.zeros(prompts))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_estimators_values(kind):
+    logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    expected = []
+    for a, b in zip(logp.tolist(), ref.tolist()):
+        r = math.exp(b - a)  # reference / policy probability ratio
+        expected.append({"k1": -math.log(r), "k2": 0.5 * math.log(r) ** 2, "k3": r - 1 - math.log(r)}[kind])
+    torch.testing.assert_close(utils.kl_estimate(logp, ref, kind), torch.tensor(expected))
+
+
+def test_kl_estimators_are_unbiased_or_not_as_documented():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, generator=g), 0)
+    q = torch.softmax(torch.randn(6, generator=g), 0)
+    true_kl = (p * (p / q).log()).sum()
+    tokens = torch.multinomial(p, 200_000, replacement=True, generator=g)
+    logp, logq = p.log()[tokens], q.log()[tokens]
+    assert utils.kl_estimate(logp, logq, "k1").mean() == pytest.approx(true_kl.item(), abs=0.01)
+    assert utils.kl_estimate(logp, logq, "k3").mean() == pytest.approx(true_kl.item(), abs=0.01)
+    assert (utils.kl_estimate(logp, logq, "k3") >= 0).all()
+    with pytest.raises(ValueError):
+        utils.kl_estimate(logp, logq, "k4")
+
+
+def test_masked_statistics_match_selected_entries():
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(4, 7, generator=g)
+    mask = torch.rand(4, 7, generator=g) > 0.4
+    picked = values[mask]
+    assert utils.masked_mean(values, mask).item() == pytest.approx(picked.mean().item(), rel=1e-5)
+    assert utils.masked_var(values, mask).item() == pytest.approx(picked.var().item(), rel=1e-5)
+    assert utils.masked_var(values, mask, unbiased=False).item() == pytest.approx(picked.var(unbiased=False).item(), rel=1e-5)
+    torch.testing.assert_close(utils.masked_mean(values, mask, dim=1), torch.stack([v[m].mean() for v, m in zip(values, mask)]))
+    white = utils.masked_whiten(values, mask)
+    assert white[mask].mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert white[mask].var().item() == pytest.approx(1.0, rel=1e-4)
+    kept = utils.masked_whiten(values, mask, shift_mean=False)
+    assert kept[mask].mean().item() == pytest.approx(picked.mean().item(), rel=1e-4)
+
+
+def test_truncate_response_keeps_the_stop_token_and_pads_after_it():
+    stop, pad = 9, 0
+    responses = torch.tensor([[5, 9, 7, 9], [5, 6, 7, 8], [9, 1, 2, 3], [4, 4, 4, 9]])
+    out, lengths = utils.truncate_response(responses, stop, pad)
+    assert out.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0], [4, 4, 4, 9]]
+    assert lengths.tolist() == [2, 4, 1, 4]
+    # pad == stop (a tokenizer whose pad token is its EOS): lengths still come from the first stop token
+    out, lengths = utils.truncate_response(responses, stop, stop)
+    assert lengths.tolist() == [2, 4, 1, 4]
+    out, lengths = utils.truncate_response(responses, None, pad)
+    assert out.tolist() == responses.tolist() and lengths.tolist() == [4, 4, 4, 4]
+
+
+def test_logprobs_and_entropy_match_log_softmax():
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
+    logp = torch.log_softmax(logits, -1)
+    expected = torch.tensor([[logp[b, t, tokens[b, t]].item() for t in range(3)] for b in range(2)])
+    torch.testing.assert_close(utils.logprobs_from_logits(logits, tokens), expected)
+    torch.testing.assert_close(utils.entropy_from_logits(logits), -(logp.exp() * logp).sum(-1))
+
+
+def test_left_pad():
+    ids, mask = utils.left_pad([[1, 2, 3], [4]], pad_token_id=0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), utils.load_tokenizer(tiny_model_dir)
+
+
+def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
+    """Sample with transformers' own generate() (temperature, no top-k/top-p), then check that our forward on the
+    left-padded query+response, with logits / temperature, gives the log-probabilities generate() sampled from."""
+    model, tok = tiny_lm
+    temperature = 0.7
+    queries, mask = utils.left_pad([tok("the function returns")["input_ids"], tok("a")["input_ids"]], tok.pad_token_id)
+    torch.manual_seed(0)
+    out = model.generate(
+        input_ids=queries, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=temperature, top_k=0,
+        top_p=1.0, output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=None,
+    )
+    responses = out.sequences[:, queries.shape[1]:]
+    sampled = torch.stack([torch.log_softmax(s, -1).gather(1, responses[:, t:t + 1])[:, 0] for t, s in enumerate(out.scores)], 1)
+    full_mask = torch.cat([mask, torch.ones_like(responses)], 1)
+    logits = utils.forward(model, out.sequences, full_mask).logits[:, queries.shape[1] - 1:-1]
+    torch.testing.assert_close(utils.logprobs_from_logits(logits / temperature, responses), sampled, atol=1e-4, rtol=1e-4)
+    # without the temperature the numbers are different: the test can tell
+    assert not torch.allclose(utils.logprobs_from_logits(logits, responses), sampled, atol=1e-3)
+
+
+def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
+    """Our KV-cached sampler against a naive one that reruns the whole sequence per token, same random stream."""
+    model, tok = tiny_lm
+    queries, mask = utils.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
+    torch.manual_seed(3)
+    ours = utils.generate(model, queries, mask, response_length=8, temperature=0.9)
+    torch.manual_seed(3)
+    seq, seq_mask = queries, mask
+    with torch.no_grad():
+        for _ in range(8):
+            logits = utils.forward(model, seq, seq_mask).logits[:, -1]
+            token = torch.multinomial(torch.softmax(logits / 0.9, -1), 1)
+            seq, seq_mask = torch.cat([seq, token], 1), torch.cat([seq_mask, torch.ones_like(token)], 1)
+    assert ours.tolist() == seq[:, queries.shape[1]:].tolist()
+
+
+def test_generate_stops_once_every_row_has_stopped(tiny_lm):
+    model, tok = tiny_lm
+    queries, mask = utils.left_pad([tok("the")["input_ids"]] * 3, tok.pad_token_id)
+    torch.manual_seed(0)
+    free = utils.generate(model, queries, mask, response_length=5, temperature=1.0)
+    stop = free[0, 0].item()  # a token the first row samples first: with it as the stop token, row 0 stops at once
+    torch.manual_seed(0)
+    out = utils.generate(model, queries, mask, response_length=5, temperature=1.0, stop_token_id=stop)
+    assert out[0, 0].item() == stop
+    stopped_rows = (out == stop).any(1)
+    assert out.shape[1] == 5 or stopped_rows.all()
+
+
+def test_reward_fn_loading_and_checks(tmp_path):
+    (tmp_path / "rew.py").write_text("def length(prompts, completions):\n    return [len(c) for c in completions]\n")
+    fn = utils.load_reward_fn(f"{tmp_path}/rew.py:length")
+    assert fn(["p", "q"], ["ab", "c"]) == [2, 1]
+    assert utils.load_reward_fn("sentiment") is utils.sentiment_reward
+    good, bad = utils.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
+    assert good > 0.5 and bad < -0.5
+    assert utils.check_scores([1, 2.5], 2, "f").tolist() == [1.0, 2.5]
+    for spec in [f"{tmp_path}/nope.py:f", f"{tmp_path}/rew.py:missing", "no_such_module_xyz:f", "sentiments"]:
+        with pytest.raises(SystemExit):
+            utils.load_reward_fn(spec)
+    for scores in [[1.0], [1.0, float("nan")], [1.0, float("inf")], ["a", 1.0], None]:
+        with pytest.raises(SystemExit):
+            utils.check_scores(scores, 2, "f")
+
+
+def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        per_token = utils.scalar_forward(rm, ids, torch.ones_like(ids))
+        # transformers' own pooled output reads the last token of an unpadded row
+        torch.testing.assert_close(per_token[:, -1], rm(input_ids=ids).logits[:, 0])
+        # left padding does not change the score of the real tokens
+        padded = utils.scalar_forward(rm, torch.tensor([[1, 1, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    torch.testing.assert_close(padded[:, -1], per_token[:, -1], atol=1e-5, rtol=1e-5)

