@@ -37,11 +37,11 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from utils import (
     INVALID_LOGPROB,
-    check_scores,
     die,
     entropy_from_logits,
     forward,
     generate,
+    get_scores,
     kl_estimate,
     left_pad,
     load_pretrained,
@@ -49,7 +49,6 @@ from utils import (
     load_reward_fn,
     load_tokenizer,
     logprobs_from_logits,
-    scalar_forward,
     truncate_response,
 )
 
@@ -64,7 +63,7 @@ class Args:
     seed: int = 1
     """seed of the experiment"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl and the trained model go (default: output/{run_name})"""
+    """where metrics.jsonl and the trained model go; None: output/{run_name}"""
     save_model: bool = True
     """save the policy and tokenizer to output_dir at the end"""
     track: bool = False
@@ -121,9 +120,9 @@ class Args:
     """normalise advantages to zero mean and unit std over the batch"""
 
     # optimisation
-    total_episodes: int = 1024
+    total_episodes: int = 512
     """total completions to train on"""
-    per_device_train_batch_size: int = 16
+    per_device_train_batch_size: int = 8
     """completions per forward/backward pass on each device"""
     gradient_accumulation_steps: int = 2
     """micro-batches accumulated per optimiser step"""
@@ -131,7 +130,7 @@ class Args:
     """optimiser steps per epoch over the batch"""
     num_ppo_epochs: int = 1
     """passes over each batch (1 epoch and 1 mini-batch: plain REINFORCE with the leave-one-out baseline)"""
-    learning_rate: float = 1e-5
+    learning_rate: float = 5e-5
     """the AdamW learning rate, annealed linearly to zero"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -287,24 +286,12 @@ if __name__ == "__main__":
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1] / args.temperature, response))
 
                 # 2. scores: the reward model at the last real token, or the reward function on the decoded text
-                completions = tokenizer.batch_decode(response, skip_special_tokens=True)
-                if reward_model is None:
-                    prompts_i = texts[i : i + len(query)]
-                    scores.append(check_scores(reward_fn(prompts_i, completions), len(query), reward_fn.__name__))
-                else:
-                    if rm_tokenizer is None:
-                        ids, ids_mask, last = query_response, mask, context_length + length - 1
-                    else:  # a different vocabulary: re-encode the text
-                        full = [
-                            q + c for q, c in zip(tokenizer.batch_decode(query, skip_special_tokens=True), completions)
-                        ]
-                        enc = rm_tokenizer(full, return_tensors="pt", padding=True, add_special_tokens=False)
-                        ids, ids_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-                        last = torch.full_like(length, ids.shape[1] - 1)  # left-padded: the last column is real
-                    score = scalar_forward(reward_model, ids, ids_mask).gather(1, last[:, None]).squeeze(1).float()
-                    if not torch.isfinite(score).all():
-                        die(f"reward model {args.reward_model_path!r} returned NaN or inf at update {update}")
-                    scores.append(score.cpu())
+                prompts = texts[i : i + len(query)]
+                scores.append(
+                    get_scores(
+                        reward_model, rm_tokenizer, reward_fn, tokenizer, query_response, mask, context_length, length, prompts
+                    )
+                )
                 responses.append(response)
                 lengths.append(length)
             # chunks may stop at different lengths: pad them all to the longest
@@ -312,7 +299,7 @@ if __name__ == "__main__":
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
             logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
             ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
-            scores = torch.cat(scores).to(device)
+            scores = torch.cat(scores)
             lengths = torch.cat(lengths)
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -393,10 +380,10 @@ if __name__ == "__main__":
                 "val/ratio": ratio_stats.mean(),
                 "val/ratio_var": ratio_stats.var(unbiased=False),
             }
-            values = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+            means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
         metrics = {"episode": episode, "eps": episode / (time.time() - start_time), "lr": lr}
-        metrics.update(zip(stats.keys(), values))
+        metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
@@ -408,7 +395,6 @@ if __name__ == "__main__":
                 for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
                     table.add_row(q, r, f"{s.item():.3f}")
                 Console().print(table)
-        del kl, logits, new_logprobs, query_responses
 
     if args.save_model:
         accelerator.wait_for_everyone()

@@ -97,6 +97,8 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
             builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
             if builder is None:
                 die(f"dataset file {dataset_name!r} is not .jsonl, .json, .parquet or .csv")
+            if os.path.getsize(dataset_name) == 0:
+                die(f"dataset {dataset_name!r} is empty")
             ds = datasets.load_dataset(builder, data_files={split: dataset_name}, split=split)
         else:
             ds = datasets.load_dataset(dataset_name, split=split)
@@ -195,6 +197,29 @@ def scalar_forward(model, input_ids, attention_mask):
     position_ids = attention_mask.cumsum(1) - attention_mask
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     return model.score(hidden).squeeze(-1)
+
+
+def get_scores(reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses, mask, context_length, lengths, prompts):
+    """Scores (batch,) of truncated completions: the reward model (num_labels=1) read at the last real token, or the
+    reward function called on the prompt texts and the decoded completions. query_responses (batch, seq) hold
+    left-padded queries of context_length columns, then responses of `lengths` real tokens. rm_tokenizer is None when
+    the reward model shares the policy's vocabulary; otherwise the text is re-encoded with it."""
+    completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+    if reward_model is None:
+        scores = reward_fn(list(prompts), completions)
+        return check_scores(scores, len(completions), reward_fn.__name__).to(query_responses.device)
+    if rm_tokenizer is None:
+        ids, last = query_responses, context_length + lengths - 1
+    else:
+        queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
+        texts = [q + c for q, c in zip(queries, completions)]
+        enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(query_responses.device)
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
+    scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
+    if not torch.isfinite(scores).all():
+        die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------------------------
