@@ -301,7 +301,9 @@ if __name__ == "__main__":
     elif not args.value_head_shared and reward_model is not None and rm_tokenizer is None:
         critic = copy.deepcopy(reward_model).requires_grad_(True)  # as the N+ details study: start from the reward model
     elif not args.value_head_shared:
-        critic = AutoModelForSequenceClassification.from_config(policy.config, num_labels=1)
+        config = copy.deepcopy(policy.config)
+        config.num_labels = 1
+        critic = AutoModelForSequenceClassification.from_config(config)
         getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
     if critic is not None and critic.config.num_labels != 1:
         die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
@@ -476,7 +478,6 @@ if __name__ == "__main__":
             done = slice(0, epoch + 1)  # epochs that ran
             stats = {
                 "objective/kl": kl.sum(1).mean(),
-                "objective/kl_coef": torch.tensor(kl_coef, device=device),
                 "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.sum(1).mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
@@ -496,6 +497,7 @@ if __name__ == "__main__":
         metrics = {"episode": episode, "eps": episode / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
+        metrics["objective/kl_coef"] = kl_coef
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
