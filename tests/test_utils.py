@@ -179,3 +179,26 @@ def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
         # left padding does not change the score of the real tokens
         padded = utils.scalar_forward(rm, torch.tensor([[1, 1, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1]]))
     torch.testing.assert_close(padded[:, -1], per_token[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
+    import datasets
+
+    tok = utils.load_tokenizer(tiny_model_dir)
+    rows = {"prompt": ["the first prompt", "a second, longer prompt about the river"], "other": [1, 2]}
+    datasets.Dataset.from_dict(rows).to_csv(str(tmp_path / "p.csv"))
+    (tmp_path / "folder").mkdir()
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "folder" / "train.parquet"))
+    for source in [tmp_path / "p.csv", tmp_path / "folder"]:
+        queries, texts = utils.load_prompts(str(source), "train", "prompt", tok, max_prompt_length=64)
+        assert texts == rows["prompt"]
+        assert queries == [tok(t, add_special_tokens=False)["input_ids"] for t in rows["prompt"]]
+    # too long prompts are dropped
+    short = len(tok("the first prompt", add_special_tokens=False)["input_ids"])
+    _, texts = utils.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
+    assert texts == ["the first prompt"]
+    # chat messages go through the chat template, with the generation prompt
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi there"}]}\n')
+    queries, texts = utils.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
+    assert texts == ["hi there"] and tok.decode(queries[0]) == "<user>hi there<assistant>"
