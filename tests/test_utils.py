@@ -59,7 +59,9 @@ def test_masked_statistics_match_selected_entries():
     assert utils.masked_mean(values, mask).item() == pytest.approx(picked.mean().item(), rel=1e-5)
     assert utils.masked_var(values, mask).item() == pytest.approx(picked.var().item(), rel=1e-5)
     assert utils.masked_var(values, mask, unbiased=False).item() == pytest.approx(picked.var(unbiased=False).item(), rel=1e-5)
-    torch.testing.assert_close(utils.masked_mean(values, mask, dim=1), torch.stack([v[m].mean() for v, m in zip(values, mask)]))
+    torch.testing.assert_close(
+        utils.masked_mean(values, mask, dim=1), torch.stack([v[m].mean() for v, m in zip(values, mask)])
+    )
     white = utils.masked_whiten(values, mask)
     assert white[mask].mean().item() == pytest.approx(0.0, abs=1e-5)
     assert white[mask].var().item() == pytest.approx(1.0, rel=1e-4)
@@ -110,13 +112,24 @@ def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
     queries, mask = utils.left_pad([tok("the function returns")["input_ids"], tok("a")["input_ids"]], tok.pad_token_id)
     torch.manual_seed(0)
     out = model.generate(
-        input_ids=queries, attention_mask=mask, max_new_tokens=6, do_sample=True, temperature=temperature, top_k=0,
-        top_p=1.0, output_scores=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=None,
+        input_ids=queries,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
     )
-    responses = out.sequences[:, queries.shape[1]:]
-    sampled = torch.stack([torch.log_softmax(s, -1).gather(1, responses[:, t:t + 1])[:, 0] for t, s in enumerate(out.scores)], 1)
+    responses = out.sequences[:, queries.shape[1] :]
+    sampled = torch.stack(
+        [torch.log_softmax(s, -1).gather(1, responses[:, t : t + 1])[:, 0] for t, s in enumerate(out.scores)], 1
+    )
     full_mask = torch.cat([mask, torch.ones_like(responses)], 1)
-    logits = utils.forward(model, out.sequences, full_mask).logits[:, queries.shape[1] - 1:-1]
+    logits = utils.forward(model, out.sequences, full_mask).logits[:, queries.shape[1] - 1 : -1]
     torch.testing.assert_close(utils.logprobs_from_logits(logits / temperature, responses), sampled, atol=1e-4, rtol=1e-4)
     # without the temperature the numbers are different: the test can tell
     assert not torch.allclose(utils.logprobs_from_logits(logits, responses), sampled, atol=1e-3)
@@ -135,7 +148,7 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
             logits = utils.forward(model, seq, seq_mask).logits[:, -1]
             token = torch.multinomial(torch.softmax(logits / 0.9, -1), 1)
             seq, seq_mask = torch.cat([seq, token], 1), torch.cat([seq_mask, torch.ones_like(token)], 1)
-    assert ours.tolist() == seq[:, queries.shape[1]:].tolist()
+    assert ours.tolist() == seq[:, queries.shape[1] :].tolist()
 
 
 def test_generate_stops_once_every_row_has_stopped(tiny_lm):
