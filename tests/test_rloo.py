@@ -5,6 +5,7 @@ import math
 import os
 
 import pytest
+from conftest import train_bpe
 
 KEYS = (
     "episode eps lr objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores"
@@ -83,15 +84,9 @@ def test_reward_model_with_same_and_other_tokenizer(run, tmp_path, tiny_model_di
     assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(tmp_path / "a"))
 
     # a reward model with its own, different vocabulary: completions are decoded and re-encoded
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
-    )
-    bpe.train_from_iterator(["a small corpus of words for another tokenizer"] * 10, trainer=trainer)
+    bpe = train_bpe("a small corpus of words for another tokenizer " * 10, 300, ["<eos>"])
     other_tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")  # no pad token: the script fixes it up
     config = GPTNeoXConfig(
         vocab_size=len(other_tok),
@@ -134,6 +129,7 @@ BAD_REWARDS = {
         ("too_few_episodes", "less than one batch"),
         ("reward_model_labels", "num_labels=2"),
         ("output_dir_taken", "already holds a run"),
+        ("no_stop_token", "has no EOS token"),
     ],
 )
 def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_model_dir, tiny_prompts_file):
@@ -179,6 +175,16 @@ def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_mode
         rm.save_pretrained(tmp_path / "rm2")
         AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm2")
         args["--reward_model_path"] = tmp_path / "rm2"
+    elif case == "no_stop_token":
+        import shutil
+
+        from transformers import AutoTokenizer
+
+        shutil.copytree(tiny_model_dir, tmp_path / "no_eos")
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        tok.eos_token = None
+        tok.save_pretrained(tmp_path / "no_eos")
+        args["--model_name_or_path"] = tmp_path / "no_eos"
     elif case == "output_dir_taken":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")

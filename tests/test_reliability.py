@@ -1,0 +1,112 @@
+"""Checkpoints, exact resume after kill -9, non-finite guards: for rloo.py and ppo.py."""
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO
+from test_rloo import check_ok, read_metrics
+
+SCRIPTS = {
+    "rloo.py": "--rloo_k 2",
+    "ppo.py": "--kl_target 0.5 --kl_horizon 100",  # the adaptive coefficient is state that must survive a resume
+}
+
+
+def command(script, model, prompts, out, extra=""):
+    return (
+        f"{script} {SCRIPTS[script]} --model_name_or_path {model} --dataset_name {prompts} --output_dir {out}"
+        " --total_episodes 160 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_ppo_epochs 2"
+        f" --num_mini_batches 1 --response_length 8 --num_sample_generations 0 --checkpoint_every 1 {extra}"
+    )
+
+
+def without_eps(rows):
+    return [{k: v for k, v in r.items() if k != "eps"} for r in rows]
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_kill_then_resume_gives_the_uninterrupted_metrics(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    full = tmp_path / "full"
+    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, full), cwd=tmp_path))
+    expected = read_metrics(full)
+    assert len(expected) == 10
+
+    # the same run, killed with SIGKILL while it trains (possibly mid-checkpoint or mid-row), then resumed
+    cut = tmp_path / "cut"
+    first, *rest = shlex.split(command(script, tiny_model_dir, tiny_prompts_file, cut))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, first), *rest], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(cut / "metrics.jsonl") and len(open(cut / "metrics.jsonl").read().splitlines()) >= 4:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 4 <= len(open(cut / "metrics.jsonl").read().splitlines()) < 10
+
+    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, cut, "--resume"), cwd=tmp_path))
+    resumed = read_metrics(cut)
+    assert [r["episode"] for r in resumed] == [16 * i for i in range(1, 11)]  # no duplicate, no missing row
+    assert without_eps(resumed) == without_eps(expected)
+
+    from safetensors.torch import load_file
+
+    a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # only the newest two checkpoints are kept, complete, and their state loads without unpickling code
+    names = sorted(n for n in os.listdir(cut) if n.startswith("checkpoint-"))
+    assert names == ["checkpoint-0000009", "checkpoint-0000010"]
+    state = torch.load(cut / names[-1] / "state.pt", weights_only=True)
+    assert state["update"] == 10 and state["episode"] == 160
+
+
+def test_resume_drops_torn_and_later_rows(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    base = command("rloo.py", tiny_model_dir, tiny_prompts_file, out).replace("--total_episodes 160", "--total_episodes 48")
+    check_ok(run(base + " --keep_checkpoints 5", cwd=tmp_path))
+    rows = read_metrics(out)
+    # pretend the run died after writing row 3 but before its checkpoint, in the middle of writing row 4
+    shutil.rmtree(out / "checkpoint-0000003")
+    os.remove(out / "model.safetensors")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"episode": 64, "eps": 1.')
+    check_ok(run(base + " --resume", cwd=tmp_path))
+    again = read_metrics(out)
+    assert [r["episode"] for r in again] == [16, 32, 48]
+    assert without_eps(again) == without_eps(rows)
+
+
+def test_resume_needs_a_checkpoint(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    proc = run(command("rloo.py", tiny_model_dir, tiny_prompts_file, tmp_path / "none", "--resume"), cwd=tmp_path)
+    assert proc.returncode != 0 and "no complete checkpoint" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_non_finite_gradient_stops_and_names_the_last_checkpoint(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    # finite scores, but so large that the gradients overflow once the policy starts to move them
+    (tmp_path / "huge.py").write_text(
+        "import itertools\nn = itertools.count()\n"
+        "def huge(prompts, completions):\n    return [3e38 * (next(n) % 2) for _ in completions]\n"
+    )
+    out = tmp_path / "out"
+    proc = run(command(script, tiny_model_dir, tiny_prompts_file, out, f"--reward_fn {tmp_path}/huge.py:huge"), cwd=tmp_path)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and last.startswith("error: non-finite") and "at update " in last, last
+    # every checkpoint on disk holds finite weights
+    from safetensors.torch import load_file
+
+    for name in os.listdir(out):
+        if name.startswith("checkpoint-"):
+            weights = load_file(out / name / ("policy.safetensors" if script == "rloo.py" else "model.safetensors"))
+            assert all(torch.isfinite(v).all() for v in weights.values())
