@@ -110,3 +110,23 @@ def test_non_finite_gradient_stops_and_names_the_last_checkpoint(script, run, tm
         if name.startswith("checkpoint-"):
             weights = load_file(out / name / ("policy.safetensors" if script == "rloo.py" else "model.safetensors"))
             assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_model_code_runs_only_with_trust_remote_code(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    import json
+
+    model = tmp_path / "custom"
+    shutil.copytree(tiny_model_dir, model)
+    marker = tmp_path / "code_ran"
+    (model / "modeling_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import GPTNeoXForCausalLM\n\nclass CustomModel(GPTNeoXForCausalLM):\n    pass\n"
+    )
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    (model / "config.json").write_text(json.dumps(config))
+    # without the flag transformers falls back to its own GPT-NeoX class (or refuses): the shipped code never runs
+    run(command("rloo.py", model, tiny_prompts_file, tmp_path / "out"), cwd=tmp_path)
+    assert not marker.exists()
+    check_ok(run(command("rloo.py", model, tiny_prompts_file, tmp_path / "out2", "--trust_remote_code"), cwd=tmp_path))
+    assert marker.exists()
