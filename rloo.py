@@ -340,9 +340,11 @@ if __name__ == "__main__":
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
             # trainers did, so the reward still ranks them)
-            contain_eos = (responses == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(scores)
+            contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
+            if stop_token_id is not None:
+                contain_eos = (responses == stop_token_id).any(1)
             if args.missing_eos_penalty is not None:
-                scores = scores - args.missing_eos_penalty * (~contain_eos.bool()).float()
+                scores = scores - args.missing_eos_penalty * (~contain_eos).float()
 
             # 3. KL penalty: per-token estimate against the reference, zero on padding, summed per completion
             kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
@@ -434,6 +436,7 @@ if __name__ == "__main__":
         # checkpoint after the metrics row, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:
             rngs = gather_object([rng_state()])  # each process's random state
+            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
             if accelerator.is_main_process:
                 state = {
                     "update": update,
@@ -445,9 +448,8 @@ if __name__ == "__main__":
                     "cursor": cursor,
                 }
                 modules = {"policy": accelerator.unwrap_model(policy)}
-                save_checkpoint(args.output_dir, update, modules, state, args.keep_checkpoints)
+                save_checkpoint(last_checkpoint, modules, state, args.keep_checkpoints)
             accelerator.wait_for_everyone()
-            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
 
     if args.save_model:
         accelerator.wait_for_everyone()

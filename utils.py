@@ -5,6 +5,7 @@ Everything algorithm-specific (baselines, advantages, losses) stays in the scrip
 
 import importlib
 import importlib.util
+import json
 import math
 import os
 import random
@@ -350,14 +351,13 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(output_dir, update, modules, state, keep):
-    """Write output_dir/checkpoint-{update}: each module's weights as safetensors, the rest (optimiser, RNG, data
-    position, counters) in state.pt. Written to a temporary folder and renamed, so a checkpoint is complete or absent;
-    only the newest `keep` are kept. Refuses non-finite weights."""
+def save_checkpoint(final, modules, state, keep):
+    """Write the checkpoint folder `final` (output_dir/checkpoint-NNNNNNN): each module's weights as safetensors, the
+    rest (optimiser, RNG, data position, counters) in state.pt. Written to a temporary folder and renamed, so a
+    checkpoint is complete or absent; only the newest `keep` in its folder are kept. Refuses non-finite weights."""
     for name, module in modules.items():
         if not all(torch.isfinite(p).all() for p in module.parameters()):
-            die(f"non-finite weights in the {name} at update {update}; no checkpoint written")
-    final = os.path.join(output_dir, f"checkpoint-{update:07d}")
+            die(f"non-finite weights in the {name}; {os.path.basename(final)} not written")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -366,9 +366,8 @@ def save_checkpoint(output_dir, update, modules, state, keep):
     torch.save(state, os.path.join(tmp, "state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in list_checkpoints(output_dir)[:-keep]:
+    for old in list_checkpoints(os.path.dirname(final))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(output_dir):
@@ -388,8 +387,6 @@ def load_checkpoint(path, modules):
 
 def truncate_metrics(path, episode):
     """Keep the rows of metrics.jsonl up to `episode` (the resumed checkpoint's), dropping later and torn rows."""
-    import json
-
     rows = []
     if os.path.exists(path):
         with open(path) as f:
