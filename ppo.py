@@ -43,6 +43,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from utils import (
     INVALID_LOGPROB,
+    check_accelerate_config,
     die,
     entropy_from_logits,
     forward,
@@ -60,6 +61,7 @@ from utils import (
     masked_mean,
     masked_whiten,
     rng_state,
+    same_vocabulary,
     save_checkpoint,
     scalar_forward,
     set_rng_state,
@@ -259,6 +261,9 @@ class PolicyAndValue(nn.Module):
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    check_accelerate_config(
+        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
+    )
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
@@ -296,7 +301,7 @@ if __name__ == "__main__":
         stop_token_id = tokenizer.eos_token_id
         if stop_token_id is None:
             die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-    queries_all, prompt_texts = load_prompts(
+    queries_all, prompt_texts, _ = load_prompts(
         args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
     )
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
@@ -307,8 +312,8 @@ if __name__ == "__main__":
         if reward_model.config.num_labels != 1:
             die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
         rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
-            rm_tokenizer = None  # same vocabulary: score the policy's tokens directly
+        if same_vocabulary(tokenizer, rm_tokenizer):
+            rm_tokenizer = None  # score the policy's tokens directly
         reward_model.eval().requires_grad_(False).to(device)
     ref_policy.eval().requires_grad_(False).to(device)
     # the critic: a sequence-classification model whose score head reads every position
@@ -494,7 +499,8 @@ if __name__ == "__main__":
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            if not torch.isfinite(grad_norm):
+                            # (None under DeepSpeed versions that clip inside their own step)
+                            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
                                 die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
                         optimizer.step()
                         optimizer.zero_grad()

@@ -1,19 +1,27 @@
-"""What rloo.py and ppo.py would otherwise copy verbatim: loading, sampling, rewards, logprobs, KL, masked statistics.
+"""What the scripts would otherwise copy verbatim: loading, sampling, rewards, logprobs, KL, masked statistics,
+checkpoints, and the TL;DR scripts' evaluation (reward-model score of greedy summaries, a judge's win rate).
 
 Everything algorithm-specific (baselines, advantages, losses) stays in the scripts.
 """
 
+import http.client
 import importlib
 import importlib.util
 import json
 import math
 import os
 import random
+import re
 import shutil
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 from safetensors.torch import load_model, save_model
 
 # written into the logprobs of padding positions, so that a padding token that leaks into a sum is easy to spot
@@ -69,6 +77,23 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     return obj
 
 
+def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Make an accelerate/DeepSpeed config agree with the script's flags, or stop with one line."""
+    if accelerator.gradient_accumulation_steps != gradient_accumulation_steps:
+        # accelerate lets a config's gradient_accumulation_steps silently override the one passed to Accelerator
+        die(
+            f"the accelerate config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps}; "
+            "remove it and use --gradient_accumulation_steps"
+        )
+    if accelerator.state.deepspeed_plugin is not None:
+        # no dataloader goes through prepare(), so DeepSpeed learns the micro-batch size and the clipping norm here
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        if ds_config.get("gradient_accumulation_steps", "auto") not in ("auto", gradient_accumulation_steps):
+            die("the DeepSpeed config sets gradient_accumulation_steps; remove it and use --gradient_accumulation_steps")
+        ds_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
+        ds_config["gradient_clipping"] = max_grad_norm
+
+
 def load_tokenizer(name, trust_remote_code=False):
     """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none)."""
     from transformers import AutoTokenizer
@@ -84,8 +109,23 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer
 
 
-def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length):
-    """Tokenized prompts (list of token-id lists) and their texts, from a hub id or a local file or folder.
+def same_vocabulary(tokenizer, other):
+    """True when every token id means the same to both tokenizers, so a reward model can read the policy's tokens
+    directly. A pad token that only one of them added (the TL;DR SFT tokenizer's "[PAD]") is ignored: padding is
+    masked out."""
+
+    def vocab(tok):
+        v = dict(tok.get_vocab())
+        if tok.pad_token not in (tok.eos_token, tok.bos_token, tok.unk_token):
+            v.pop(tok.pad_token, None)
+        return v
+
+    return vocab(tokenizer) == vocab(other) and tokenizer.eos_token_id == other.eos_token_id
+
+
+def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None):
+    """Tokenized prompts (list of token-id lists), their texts and their reference completions (the column
+    reference_field, stripped; None each without it), from a hub id or a local file or folder.
 
     A column of chat messages ([{"role": ..., "content": ...}, ...]) goes through the tokenizer's chat template with the
     generation prompt added; a column of strings is tokenized as it is. Prompts longer than max_prompt_length tokens
@@ -111,11 +151,13 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
         die(f"cannot load dataset {dataset_name!r} (split {split!r}): {str(e).strip().splitlines()[0]}")
     if len(ds) == 0:
         die(f"dataset {dataset_name!r} (split {split!r}) is empty")
-    if prompt_field not in ds.column_names:
-        die(f"dataset {dataset_name!r} has no column {prompt_field!r} (columns: {ds.column_names}); set --prompt_field")
+    for field, flag in [(prompt_field, "--prompt_field"), (reference_field, "--reference_field")]:
+        if field is not None and field not in ds.column_names:
+            die(f"dataset {dataset_name!r} (split {split!r}) has no column {field!r} (columns: {ds.column_names}); set {flag}")
 
-    queries, texts = [], []
-    for value in ds[prompt_field]:
+    references = ds[reference_field] if reference_field else [None] * len(ds)
+    queries, texts, refs = [], [], []
+    for value, ref in zip(ds[prompt_field], references):
         if isinstance(value, list):
             if tokenizer.chat_template is None:
                 die(f"column {prompt_field!r} holds chat messages but the tokenizer has no chat template")
@@ -126,12 +168,15 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
             text = value
         else:
             die(f"column {prompt_field!r} must hold strings or chat messages, got {type(value).__name__}")
+        if reference_field and not isinstance(ref, str):
+            die(f"column {reference_field!r} must hold strings, got {type(ref).__name__}")
         if 0 < len(ids) <= max_prompt_length:
             queries.append(list(ids))
             texts.append(text)
+            refs.append(ref.strip() if ref is not None else None)
     if not queries:
         die(f"every prompt in {dataset_name!r} is empty or longer than --max_prompt_length {max_prompt_length} tokens")
-    return queries, texts
+    return queries, texts, refs
 
 
 def left_pad(seqs, pad_token_id):
@@ -240,7 +285,8 @@ def forward(model, input_ids, attention_mask, **kwargs):
 @torch.no_grad()
 def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None):
     """Sample up to response_length tokens per row from softmax(logits / temperature), no top-k / top-p, with a KV
-    cache; stops early once every row has produced stop_token_id. Returns responses (batch, <= response_length)."""
+    cache (temperature 0: greedy); stops early once every row has produced stop_token_id.
+    Returns responses (batch, <= response_length)."""
     mask = query_mask
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=queries, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -248,8 +294,10 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens = []
     for t in range(response_length):
-        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
-        token = torch.multinomial(probs, 1)  # (batch, 1)
+        if temperature == 0:
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # (batch, 1)
+        else:
+            token = torch.multinomial(torch.softmax(out.logits[:, -1].float() / temperature, dim=-1), 1)
         tokens.append(token)
         if stop_token_id is not None:
             done |= token[:, 0] == stop_token_id
@@ -401,3 +449,185 @@ def truncate_metrics(path, episode):
     with open(path + ".tmp", "w") as f:
         f.writelines(rows)
     os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# evaluation (the TL;DR scripts)
+
+JUDGE_PROMPT = """Two summaries of the same Reddit post follow. The better summary states the post's most important \
+points accurately and concisely, and adds nothing that the post does not say.
+
+Post:
+{post}
+
+Summary A:
+{a}
+
+Summary B:
+{b}
+
+Which summary is better? Answer with one letter, A or B, and nothing else."""
+
+
+class JudgeError(Exception):
+    pass
+
+
+def ask_judge(judge, prompt):
+    """One request to an OpenAI-compatible chat-completions endpoint -> the reply's text, or JudgeError saying why not.
+    judge: dict(base_url, model, api_key (None: no Authorization header), timeout, retries, workers)."""
+    body = json.dumps({"model": judge["model"], "messages": [{"role": "user", "content": prompt}], "temperature": 0})
+    headers = {"Content-Type": "application/json"}
+    if judge["api_key"]:
+        headers["Authorization"] = f"Bearer {judge['api_key']}"
+    request = urllib.request.Request(judge["base_url"].rstrip("/") + "/chat/completions", body.encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=judge["timeout"]) as response:
+            reply = json.loads(response.read())
+        return str(reply["choices"][0]["message"]["content"])
+    except urllib.error.HTTPError as e:
+        raise JudgeError(f"HTTP {e.code}: {e.read(200).decode(errors='replace').strip()}") from None
+    except (OSError, http.client.HTTPException) as e:  # refused, unreachable, timed out, cut off
+        raise JudgeError(str(getattr(e, "reason", e)) or type(e).__name__) from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise JudgeError("the reply is not a chat completion") from None
+
+
+def parse_verdict(text):
+    """'A' or 'B' when the judge's reply starts with that letter as a word ("A", "**B**", "A."), else None."""
+    match = re.match(r"\W*([AB])\b", text)
+    return match.group(1) if match else None
+
+
+def judge_pairs(judge, posts, summaries, references, seed):
+    """Ask the judge, for each post, whether the summary beats the reference; each pair is shown in a random order
+    (seeded) so that a judge's bias for the first or second position cancels out. Calls run in judge["workers"]
+    threads, each retried judge["retries"] times. Returns (wins, first_error): wins[i] is True, False, or None when
+    every attempt failed (timeout, HTTP error, or a reply that is not A or B)."""
+    rng = random.Random(seed)
+    swapped = [rng.random() < 0.5 for _ in posts]  # True: the summary is shown as B
+
+    def one(i):
+        a, b = (references[i], summaries[i]) if swapped[i] else (summaries[i], references[i])
+        prompt = JUDGE_PROMPT.format(post=posts[i], a=a, b=b)
+        for attempt in range(judge["retries"] + 1):
+            try:
+                reply = ask_judge(judge, prompt)
+                verdict = parse_verdict(reply)
+                if verdict is None:
+                    raise JudgeError(f"the reply {reply[:60]!r} is neither A nor B")
+                return (verdict == "B") == swapped[i], None
+            except JudgeError as e:
+                error = str(e)
+                if attempt < judge["retries"]:
+                    time.sleep(min(2**attempt, 30))  # back off: rate limits are the usual cause
+        return None, error
+
+    with ThreadPoolExecutor(judge["workers"]) as pool:
+        results = list(pool.map(one, range(len(posts))))
+    return [win for win, _ in results], next((error for _, error in results if error), None)
+
+
+def check_judge(judge):
+    """One test request before any training, so a wrong URL, model or key is a one-line error, not a failure later."""
+    try:
+        reply = ask_judge(judge, JUDGE_PROMPT.format(post="The cat sat on the mat.", a="A cat sat.", b="Dogs bark."))
+    except JudgeError as e:
+        die(f"judge {judge['model']!r} at {judge['base_url']} failed a test request: {e}")
+    if parse_verdict(reply) is None:
+        die(f"judge {judge['model']!r} at {judge['base_url']} answered a test request with {reply[:60]!r}, not A or B")
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator,
+    policy,
+    tokenizer,
+    reward_model,
+    rm_tokenizer,
+    eval_set,
+    response_length,
+    stop_token_id,
+    batch_size,
+    judge=None,
+    seed=0,
+):
+    """Greedy completions of the eval prompts, their reward-model scores, and, with a judge, their win rate against
+    the reference completions. eval_set = (queries, prompt texts, references) from load_prompts. Each process takes
+    every world_size-th prompt. Returns (metrics, samples) on the main process, (None, None) on the others."""
+    queries, texts, references = eval_set
+    device = accelerator.device
+    mine = list(range(accelerator.process_index, len(queries), accelerator.num_processes))
+    samples = []
+    for start in range(0, len(mine), batch_size):
+        idx = mine[start : start + batch_size]
+        query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
+        query, query_mask = query.to(device), query_mask.to(device)
+        response = generate(policy, query, query_mask, response_length, 0.0, stop_token_id)
+        response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+        rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
+        query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
+        scores = get_scores(reward_model, rm_tokenizer, None, tokenizer, query_response, mask, query.shape[1], lengths, None)
+        stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
+        completions = tokenizer.batch_decode(response, skip_special_tokens=True)
+        for j, i in enumerate(idx):
+            samples.append(
+                {
+                    "index": i,
+                    "prompt": texts[i],
+                    "reference": references[i],
+                    "completion": completions[j].strip(),
+                    "score": scores[j].item(),
+                    "length": lengths[j].item(),
+                    "stopped": bool(stopped[j]),
+                }
+            )
+    samples = gather_object(samples)
+    if not accelerator.is_main_process:
+        return None, None
+    samples.sort(key=lambda s: s["index"])
+    metrics = {
+        "eval/scores": sum(s["score"] for s in samples) / len(samples),
+        "eval/response_length": sum(s["length"] for s in samples) / len(samples),
+        "eval/stopped_fraction": sum(s["stopped"] for s in samples) / len(samples),
+    }
+    if judge is not None:
+        wins, error = judge_pairs(
+            judge, [s["prompt"] for s in samples], [s["completion"] for s in samples], [s["reference"] for s in samples], seed
+        )
+        for s, win in zip(samples, wins):
+            s["win"] = win
+        judged = [w for w in wins if w is not None]
+        metrics["eval/judged"] = len(judged)
+        metrics["eval/judge_failures"] = len(wins) - len(judged)
+        if judged:
+            metrics["eval/win_rate"] = sum(judged) / len(judged)
+        if error:
+            print(f"warning: {len(wins) - len(judged)} of {len(wins)} judge calls failed; the first said: {error}")
+    return metrics, samples
+
+
+def record_eval(output_dir, episode, metrics, samples, writer=None):
+    """Write an evaluation: a row {"episode", "eval/..."} appended to metrics.jsonl (and TensorBoard), the samples to
+    eval_samples/episode_{episode}.jsonl, and eval.json rebuilt from metrics.jsonl's eval rows (so that a resumed run,
+    whose metrics.jsonl was cut back, never lists an evaluation twice)."""
+    row = {"episode": episode, **metrics}
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if writer is not None:
+        for k, v in metrics.items():
+            writer.add_scalar(k, v, episode)
+    os.makedirs(os.path.join(output_dir, "eval_samples"), exist_ok=True)
+    with open(os.path.join(output_dir, "eval_samples", f"episode_{episode}.jsonl"), "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+    write_eval_json(output_dir)
+
+
+def write_eval_json(output_dir):
+    """eval.json: the eval rows of metrics.jsonl, as one list."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    evals = [row for row in rows if any(k.startswith("eval/") for k in row)]
+    with open(os.path.join(output_dir, "eval.json.tmp"), "w") as f:
+        json.dump(evals, f, indent=1)
+    os.replace(os.path.join(output_dir, "eval.json.tmp"), os.path.join(output_dir, "eval.json"))

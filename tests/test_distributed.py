@@ -30,3 +30,23 @@ def test_two_processes(script, tmp_path, tiny_model_dir, tiny_prompts_file):
     # 64 episodes in updates of 2 processes x 4 x 2 completions, each row written once
     assert [r["episode"] for r in rows] == [16, 32, 48, 64]
     assert os.path.exists(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "deepspeed_zero2"])
+def test_accelerate_configs_load_and_leave_accumulation_to_the_scripts(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from conftest import REPO
+
+    config = load_config_from_file(os.path.join(REPO, "configs", f"{name}.yaml"))
+    assert str(config.distributed_type).endswith({"single_gpu": "NO", "multi_gpu": "MULTI_GPU"}.get(name, "DEEPSPEED"))
+    assert config.num_processes == (1 if name == "single_gpu" else 8)
+    assert "gradient_accumulation_steps" not in (config.deepspeed_config or {})
+    assert "gradient_clipping" not in (config.deepspeed_config or {})
+
+
+def test_accumulation_set_by_an_accelerate_config_is_refused(run, tmp_path, tiny_model_dir, tiny_prompts_file, monkeypatch):
+    # what `accelerate launch` exports when its config names gradient_accumulation_steps
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file}", tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: the accelerate config sets gradient_accumulation_steps=4")

@@ -198,20 +198,51 @@ def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_
     import datasets
 
     tok = utils.load_tokenizer(tiny_model_dir)
-    rows = {"prompt": ["the first prompt", "a second, longer prompt about the river"], "other": [1, 2]}
+    rows = {"prompt": ["the first prompt", "a second, longer prompt about the river"], "ref": [" one ", "two\n"]}
     datasets.Dataset.from_dict(rows).to_csv(str(tmp_path / "p.csv"))
     (tmp_path / "folder").mkdir()
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "folder" / "train.parquet"))
     for source in [tmp_path / "p.csv", tmp_path / "folder"]:
-        queries, texts = utils.load_prompts(str(source), "train", "prompt", tok, max_prompt_length=64)
-        assert texts == rows["prompt"]
+        queries, texts, refs = utils.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
+        assert texts == rows["prompt"] and refs == ["one", "two"]
         assert queries == [tok(t, add_special_tokens=False)["input_ids"] for t in rows["prompt"]]
     # too long prompts are dropped
     short = len(tok("the first prompt", add_special_tokens=False)["input_ids"])
-    _, texts = utils.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
-    assert texts == ["the first prompt"]
+    _, texts, refs = utils.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
+    assert texts == ["the first prompt"] and refs == [None]
     # chat messages go through the chat template, with the generation prompt
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi there"}]}\n')
-    queries, texts = utils.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
+    queries, texts, _ = utils.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
     assert texts == ["hi there"] and tok.decode(queries[0]) == "<user>hi there<assistant>"
+
+
+def test_parse_verdict_reads_only_a_leading_letter():
+    for reply, verdict in [("A", "A"), ("B", "B"), ("**B**", "B"), (" A.", "A"), ("B\n", "B"), ("A is better", "A")]:
+        assert utils.parse_verdict(reply) == verdict, reply
+    for reply in ["", "AB", "Both", "Summary A", "I prefer B", "a", "BA"]:
+        assert utils.parse_verdict(reply) is None, reply
+
+
+def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path):
+    from pydoc_data.topics import topics
+
+    from conftest import train_bpe
+    from transformers import PreTrainedTokenizerFast
+
+    def make(pad):
+        tok = train_bpe("\n".join(topics.values()), 512, ["<|endoftext|>"])
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+        if pad:  # as the TL;DR SFT tokenizer: "[PAD]" appended to the vocabulary
+            wrapped.add_special_tokens({"pad_token": "[PAD]"})
+        return wrapped
+
+    plain, padded = make(False), make(True)
+    plain.pad_token = plain.eos_token  # what load_tokenizer does for a tokenizer without one
+    assert padded.pad_token_id == len(plain) and utils.same_vocabulary(padded, plain)
+    other = utils.load_tokenizer(tiny_tokenizer_dir)
+    assert not utils.same_vocabulary(padded, other)  # another vocabulary (and another EOS id)
+    shifted = make(False)
+    shifted.add_special_tokens({"additional_special_tokens": ["<sep>"]})
+    shifted.pad_token = shifted.eos_token
+    assert not utils.same_vocabulary(shifted, plain)  # an extra token that is not padding

@@ -1,0 +1,655 @@
+"""PPO on the TL;DR summarisation benchmark: a Pythia SFT policy learns to write Reddit TL;DRs that a reward model
+prefers, with evaluation by that reward model and by an LLM judge against the reference summaries.
+
+The algorithm is ppo.py's (a critic initialised from the reward model, per-token KL penalty, the score on one token,
+GAE, clipped policy and value losses); this file adds the TL;DR setup (Stiennon et al. 2020) as the N+ implementation
+details study (Huang et al. 2024, https://arxiv.org/abs/2403.17031) and TRL's benchmark ran it: responses of at most
+53 tokens sampled at temperature 0.7, a penalty of 1 for a summary without EOS, the score one token past EOS as TRL's
+PPOTrainer placed it, and evaluation of greedy summaries on the validation split.
+
+Reproduce the 1B run (8 GPUs; see README.md for the expected win rates):
+    accelerate launch --config_file configs/deepspeed_zero2.yaml ppo_tldr.py \
+        --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini
+On one GPU (same global batch, 8x the gradient accumulation):
+    python ppo_tldr.py --gradient_accumulation_steps 32
+"""
+
+import copy
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from rich.console import Console
+from rich.pretty import pprint
+from rich.table import Table
+from safetensors.torch import save_file
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from utils import (
+    INVALID_LOGPROB,
+    check_accelerate_config,
+    check_judge,
+    die,
+    entropy_from_logits,
+    evaluate,
+    forward,
+    generate,
+    get_scores,
+    kl_estimate,
+    left_pad,
+    list_checkpoints,
+    load_checkpoint,
+    load_pretrained,
+    load_prompts,
+    load_tokenizer,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    record_eval,
+    rng_state,
+    same_vocabulary,
+    save_checkpoint,
+    scalar_forward,
+    set_rng_state,
+    truncate_metrics,
+    truncate_response,
+    write_eval_json,
+)
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl and the trained model go; None: output/{run_name}"""
+    save_model: bool = True
+    """save the policy, tokenizer and critic (output_dir/critic) to output_dir at the end"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+
+    # model and data
+    sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
+    """the SFT policy (init and reference): a hub id or a folder"""
+    reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
+    """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
+    dataset_name: str = "trl-lib/tldr"
+    """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
+    dataset_split: str = "train"
+    """the split to train on"""
+    eval_split: str = "validation"
+    """the split to evaluate on"""
+    prompt_field: str = "prompt"
+    """the column holding the prompts ("SUBREDDIT: r/... TITLE: ... POST: ... TL;DR:")"""
+    reference_field: str = "completion"
+    """the column holding the reference summaries the judge compares against"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped"""
+
+    # rollout
+    response_length: int = 53
+    """the most tokens generated per summary"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    missing_eos_penalty: Optional[float] = 1.0
+    """subtracted from the score of a summary that never produced the stop token"""
+    local_rollout_forward_batch_size: int = 16
+    """completions generated and scored per forward pass in the rollout"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+
+    # algorithm
+    kl_coef: float = 0.05
+    """the weight of the KL penalty (the initial one with --kl_target)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """the per-token KL estimator"""
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    """where the KL goes: subtracted from each token's reward, or added to the policy loss"""
+    kl_target: Optional[float] = None
+    """adaptive KL control (Ziegler et al.): steer the coefficient so the summed KL per completion nears this"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon, in episodes"""
+    score_position: Literal["eos", "after_eos"] = "after_eos"
+    """the token the score is added to: the last real one (the stop token), or one past it as TRL's PPOTrainer did in
+    the published run"""
+    whiten_rewards: bool = False
+    """scale per-token rewards to unit variance over real tokens before GAE"""
+    gamma: float = 1.0
+    """the discount factor"""
+    lam: float = 0.95
+    """the GAE lambda"""
+    cliprange: float = 0.2
+    """the clip range of the per-token probability ratio"""
+    cliprange_value: float = 0.2
+    """the clip range of the value prediction around the rollout's value"""
+    vf_coef: float = 0.1
+    """the weight of the value loss"""
+    target_kl: Optional[float] = None
+    """stop an update's epochs early once the approximate KL to the rollout policy exceeds this"""
+    value_model_path: Optional[str] = None
+    """the critic's init: a sequence-classification model (e.g. a critic saved by an earlier run, output_dir/critic);
+    None: the reward model if given (and of the policy's vocabulary), else the policy's trunk with a new head"""
+    value_head_shared: bool = False
+    """put the value head on the policy's trunk instead of training a separate critic"""
+
+    # optimisation (the published run: 8 processes, 512 completions per update)
+    total_episodes: int = 1_000_000
+    """total completions to train on"""
+    per_device_train_batch_size: int = 16
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 1
+    """optimiser steps per epoch over the batch"""
+    num_ppo_epochs: int = 4
+    """passes over each batch"""
+    learning_rate: float = 3e-6
+    """the AdamW learning rate, annealed linearly to zero"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # evaluation: greedy summaries of the first eval_examples prompts of --eval_split
+    eval_every: int = 100_000
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    eval_examples: int = 1000
+    """how many eval-split prompts to summarise (the published win rates use the first 1,000)"""
+    eval_batch_size: int = 64
+    """summaries generated per forward pass in the evaluation, per process"""
+    judge_base_url: Optional[str] = None
+    """an OpenAI-compatible API (https://api.openai.com/v1, a vLLM server, ...) whose model judges each greedy summary
+    against the reference; None: no judge, the reward-model evaluation still runs"""
+    judge_model: str = "gpt-4o-mini"
+    """the judge's model name"""
+    judge_api_key_env: str = "OPENAI_API_KEY"
+    """the environment variable holding the judge's API key (unset: no key is sent)"""
+    judge_timeout: float = 60.0
+    """seconds before a judge request counts as failed"""
+    judge_retries: int = 2
+    """extra attempts for a failed judge request, with backoff"""
+    judge_workers: int = 16
+    """judge requests in flight at once"""
+
+    # to be filled in at runtime
+    world_size: int = 0
+    """the number of processes"""
+    local_batch_size: int = 0
+    """completions per update on each process"""
+    batch_size: int = 0
+    """completions per update on all processes"""
+    local_mini_batch_size: int = 0
+    """completions per optimiser step on each process"""
+    num_updates: int = 0
+    """the number of updates of the run"""
+
+
+def place_scores(non_score_reward, scores, lengths, score_position):
+    """Per-token rewards (batch, width): the KL part on every token plus the score on one token per row.
+
+    Returns (rewards, value_mask); value_mask is True up to the token holding the score. With "after_eos" that is one
+    past the last real token (a padding position, or the last one when the row fills the width), as TRL's old PPO
+    did: the policy then sees the score only through the critic's value of that position."""
+    width = non_score_reward.shape[1]
+    at = lengths - 1 if score_position == "eos" else lengths.clamp(max=width - 1)
+    rewards = non_score_reward.clone()
+    rewards[torch.arange(len(rewards), device=rewards.device), at] += scores
+    value_mask = torch.arange(width, device=rewards.device)[None, :] <= at[:, None]
+    return rewards, value_mask
+
+
+def compute_gae(rewards, values, gamma, lam):
+    """GAE over (batch, width) rewards and values, both zero past each row's end. Returns (advantages, returns)."""
+    lastgaelam = 0
+    advantages_reversed = []
+    width = rewards.shape[1]
+    for t in reversed(range(width)):
+        nextvalues = values[:, t + 1] if t < width - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def value_loss(vpred, values, returns, mask, cliprange_value):
+    """PPO's clipped value loss: the worse of the plain and the clipped squared error, the clipped prediction kept
+    within cliprange_value of the rollout's value. Returns (loss, clipfrac)."""
+    vpredclipped = values + torch.clamp(vpred - values, -cliprange_value, cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    return loss, masked_mean((vf_losses2 > vf_losses1).float(), mask)
+
+
+def adaptive_kl_coef(kl_coef, kl, kl_target, kl_horizon, n_steps):
+    """Ziegler et al.'s proportional controller: move the coefficient toward the one that gives kl_target."""
+    error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / kl_horizon)
+
+
+class PolicyAndValue(nn.Module):
+    """The policy and the critic in one module, so that one optimiser and one DDP wrapper hold both; a forward pass
+    returns the policy's logits for the response and the critic's value of every position."""
+
+    def __init__(self, policy, critic=None):
+        super().__init__()
+        self.policy, self.critic = policy, critic
+        if critic is None:  # a value head on the policy's trunk
+            self.value_head = nn.Linear(policy.config.hidden_size, 1)
+            nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(policy.config.hidden_size + 1))
+            nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask, logits_to_keep):
+        shared = self.critic is None
+        out = forward(self.policy, input_ids, attention_mask, logits_to_keep=logits_to_keep, output_hidden_states=shared)
+        if shared:
+            values = self.value_head(out.hidden_states[-1]).squeeze(-1)
+        else:
+            values = scalar_forward(self.critic, input_ids, attention_mask)
+        return out.logits, values
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args, use_underscores=True)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    check_accelerate_config(
+        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
+    )
+    args.world_size = accelerator.num_processes
+    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    if args.kl_target is not None and (args.kl_target <= 0 or args.kl_horizon <= 0):
+        die("--kl_target and --kl_horizon must be positive")
+    if args.value_head_shared and args.value_model_path:
+        die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
+        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    if args.eval_every < 0 or args.eval_examples < 1 or args.eval_batch_size < 1:
+        die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
+    if args.judge_timeout <= 0 or args.judge_retries < 0 or args.judge_workers < 1:
+        die("--judge_timeout must be positive, --judge_retries >= 0 and --judge_workers >= 1")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("output", run_name)
+    if args.resume and not list_checkpoints(args.output_dir):
+        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
+    if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
+        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    judge = None
+    if args.judge_base_url:
+        judge = {
+            "base_url": args.judge_base_url,
+            "model": args.judge_model,
+            "api_key": os.environ.get(args.judge_api_key_env),
+            "timeout": args.judge_timeout,
+            "retries": args.judge_retries,
+            "workers": args.judge_workers,
+        }
+        if accelerator.is_main_process:
+            check_judge(judge)
+
+    # seeding: a different sampling stream on each process; the prompt order (below) is shared
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    device = accelerator.device
+
+    # tokenizer, models, data
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_token_id = args.stop_token_id
+    if stop_token_id is None and args.stop_token == "eos":
+        stop_token_id = tokenizer.eos_token_id
+        if stop_token_id is None:
+            die(f"tokenizer of {args.sft_model_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+    queries_all, prompt_texts, _ = load_prompts(
+        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+    )
+    eval_queries, eval_texts, eval_refs = load_prompts(
+        args.dataset_name, args.eval_split, args.prompt_field, tokenizer, args.max_prompt_length, args.reference_field
+    )
+    eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
+    policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
+    ref_policy = copy.deepcopy(policy)  # the frozen SFT policy
+    reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
+    if reward_model.config.num_labels != 1:
+        die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
+    rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+    if same_vocabulary(tokenizer, rm_tokenizer):
+        rm_tokenizer = None  # score the policy's tokens directly
+    reward_model.eval().requires_grad_(False).to(device)
+    ref_policy.eval().requires_grad_(False).to(device)
+    # the critic: a sequence-classification model whose score head reads every position
+    critic = None
+    if args.value_model_path:
+        critic = load_pretrained(AutoModelForSequenceClassification, args.value_model_path, args.trust_remote_code)
+    elif not args.value_head_shared and rm_tokenizer is None:
+        critic = copy.deepcopy(reward_model).requires_grad_(True)  # as the N+ details study: start from the reward model
+    elif not args.value_head_shared:
+        config = copy.deepcopy(policy.config)
+        config.num_labels = 1
+        critic = AutoModelForSequenceClassification.from_config(config)
+        getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+    if critic is not None and critic.config.num_labels != 1:
+        die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
+    model = PolicyAndValue(policy, critic).eval()  # no dropout: the sampling policy and the trained one must agree
+
+    # tracking
+    if accelerator.is_main_process:
+        pprint(args)
+        os.makedirs(args.output_dir, exist_ok=True)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=run_name,
+                save_code=True,
+            )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
+    # each process takes its own slice of the global draw
+    data_rng = torch.Generator().manual_seed(args.seed)
+    order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    kl_coef = args.kl_coef
+    start_update, episode, last_checkpoint = 1, 0, None
+    if args.resume:
+        last_checkpoint = list_checkpoints(args.output_dir)[-1]
+        state = load_checkpoint(last_checkpoint, {"model": accelerator.unwrap_model(model)})
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"][accelerator.process_index])
+        data_rng.set_state(state["data_rng"])
+        order, cursor = state["order"], state["cursor"]
+        kl_coef = state["kl_coef"]
+        start_update, episode = state["update"] + 1, state["episode"]
+        if accelerator.is_main_process:
+            truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            write_eval_json(args.output_dir)
+            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    eval_args = (tokenizer, reward_model, rm_tokenizer, eval_set, args.response_length, stop_token_id, args.eval_batch_size)
+    if not args.resume:  # the SFT policy's evaluation, the baseline of the curves
+        eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(model).policy, *eval_args, judge, args.seed)
+        if accelerator.is_main_process:
+            record_eval(args.output_dir, episode, eval_metrics, samples, writer)
+            print(f"eval at episode {episode}: {eval_metrics}")
+    start_episode, start_time = episode, time.time()
+    for update in tqdm(
+        range(start_update, args.num_updates + 1),
+        initial=start_update - 1,
+        total=args.num_updates,
+        disable=not accelerator.is_local_main_process,
+    ):
+        episode += args.batch_size
+        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        idx = []
+        while len(idx) < args.batch_size:
+            if cursor == len(order):
+                order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+            take = min(args.batch_size - len(idx), len(order) - cursor)
+            idx += order[cursor : cursor + take].tolist()
+            cursor += take
+        idx = idx[accelerator.process_index * args.local_batch_size : (accelerator.process_index + 1) * args.local_batch_size]
+        queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        queries, query_mask = queries.to(device), query_mask.to(device)
+        texts = [prompt_texts[i] for i in idx]
+        context_length = queries.shape[1]
+
+        with torch.no_grad():
+            unwrapped = accelerator.unwrap_model(model)
+            responses, logprobs, ref_logprobs, values, scores, lengths = [], [], [], [], [], []
+            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+                query = queries[i : i + args.local_rollout_forward_batch_size]
+                qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
+                response = generate(unwrapped.policy, query, qmask, args.response_length, args.temperature, stop_token_id)
+                # 1. truncate after the stop token; everything after it is padding
+                response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
+                query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
+                # logprobs of the distribution sampled from: logits / temperature
+                logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
+                logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
+                values.append(value[:, context_length - 1 : -1])  # the value of the state before each response token
+                ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1] / args.temperature, response))
+
+                # 2. scores: the reward model at the last real token
+                prompts = texts[i : i + len(query)]
+                scores.append(
+                    get_scores(
+                        reward_model, rm_tokenizer, None, tokenizer, query_response, mask, context_length, length, prompts
+                    )
+                )
+                responses.append(response)
+                lengths.append(length)
+            # chunks may stop at different lengths: pad them all to the longest
+            width = max(r.shape[1] for r in responses)
+            responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
+            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
+            ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
+            values = torch.cat([F.pad(v, (0, width - v.shape[1])) for v in values])
+            scores = torch.cat(scores)
+            lengths = torch.cat(lengths)
+            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            query_responses = torch.cat([queries, responses], 1)
+            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+
+            # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
+            # trainers did, so the reward still ranks them)
+            contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
+            if stop_token_id is not None:
+                contain_eos = (responses == stop_token_id).any(1)
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~contain_eos).float()
+
+            # 3. KL penalty: per-token estimate against the reference, zero on padding, in each token's reward
+            kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+            non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
+            rewards, value_mask = place_scores(non_score_reward, scores, lengths, args.score_position)
+            rlhf_reward = rewards.sum(1)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, value_mask, shift_mean=False).masked_fill(~value_mask, 0.0)
+
+            # 4. advantages: GAE over real tokens, then whitened over them
+            values = values.masked_fill(~value_mask, 0.0)
+            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
+
+        # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
+        approxkl_stats = torch.zeros(stats_shape, device=device)
+        pg_clipfrac_stats = torch.zeros(stats_shape, device=device)
+        pg_loss_stats = torch.zeros(stats_shape, device=device)
+        vf_loss_stats = torch.zeros(stats_shape, device=device)
+        vf_clipfrac_stats = torch.zeros(stats_shape, device=device)
+        entropy_stats = torch.zeros(stats_shape, device=device)
+        ratio_stats = torch.zeros(stats_shape, device=device)
+        for epoch in range(args.num_ppo_epochs):
+            b_inds = torch.randperm(args.local_batch_size, device=device)
+            for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                mb_inds = b_inds[mb_start : mb_start + args.local_mini_batch_size]
+                for ga, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+                    with accelerator.accumulate(model):
+                        micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
+                        mb_mask, mb_value_mask = ~padding_mask[micro_inds], value_mask[micro_inds]
+                        logits, vpred = model(query_responses[micro_inds], attention_mask[micro_inds], width + 1)
+                        logits = logits[:, :-1] / args.temperature
+                        vpred = vpred[:, context_length - 1 : -1].masked_fill(~mb_value_mask, 0.0)
+                        new_logprobs = logprobs_from_logits(logits, responses[micro_inds])
+                        new_logprobs = new_logprobs.masked_fill(~mb_mask, INVALID_LOGPROB)
+
+                        # PPO: the per-token ratio, clipped
+                        logprobs_diff = new_logprobs - logprobs[micro_inds]
+                        ratio = torch.exp(logprobs_diff)
+                        mb_advantage = advantages[micro_inds]
+                        pg_losses = -mb_advantage * ratio
+                        pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
+                        pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mb_mask)
+                        vf_loss, vf_clipfrac = value_loss(
+                            vpred, values[micro_inds], returns[micro_inds], mb_value_mask, args.cliprange_value
+                        )
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        if args.kl_penalty == "loss":
+                            kl_loss = kl_estimate(new_logprobs, ref_logprobs[micro_inds], args.kl_estimator)
+                            loss = loss + kl_coef * masked_mean(kl_loss, mb_mask)
+                        if not torch.isfinite(loss):
+                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            # (None under DeepSpeed versions that clip inside their own step)
+                            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
+                                die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            approxkl_stats[epoch, mb, ga] = 0.5 * masked_mean(logprobs_diff**2, mb_mask)
+                            pg_clipfrac_stats[epoch, mb, ga] = masked_mean((pg_losses2 > pg_losses).float(), mb_mask)
+                            pg_loss_stats[epoch, mb, ga] = pg_loss
+                            vf_loss_stats[epoch, mb, ga] = vf_loss
+                            vf_clipfrac_stats[epoch, mb, ga] = vf_clipfrac
+                            entropy_stats[epoch, mb, ga] = masked_mean(entropy_from_logits(logits), mb_mask)
+                            ratio_stats[epoch, mb, ga] = masked_mean(ratio, mb_mask)
+            # every process must agree to stop, so the decision uses the mean over processes
+            if args.target_kl is not None:
+                if accelerator.reduce(approxkl_stats[epoch].mean(), reduction="mean").item() > args.target_kl:
+                    break
+
+        # logging: local statistics averaged over processes, written once
+        with torch.no_grad():
+            done = slice(0, epoch + 1)  # epochs that ran
+            stats = {
+                "objective/kl": kl.sum(1).mean(),
+                "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
+                "objective/non_score_reward": non_score_reward.sum(1).mean(),
+                "objective/rlhf_reward": rlhf_reward.mean(),
+                "objective/scores": scores.mean(),
+                "policy/approxkl_avg": approxkl_stats[done].mean(),
+                "policy/clipfrac_avg": pg_clipfrac_stats[done].mean(),
+                "loss/policy_avg": pg_loss_stats[done].mean(),
+                "loss/value_avg": vf_loss_stats[done].mean(),
+                "val/clipfrac_avg": vf_clipfrac_stats[done].mean(),
+                "policy/entropy_avg": entropy_stats[done].mean(),
+                "val/ratio": ratio_stats[done].mean(),
+                "val/ratio_var": ratio_stats[done].var(unbiased=False),
+                "val/vpred": masked_mean(values, value_mask),
+            }
+            means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+            num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+        metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
+        metrics.update(zip(stats.keys(), means))
+        metrics["val/num_eos_tokens"] = num_eos
+        metrics["objective/kl_coef"] = kl_coef
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, episode)
+            if sample_every and (update - 1) % sample_every == 0:
+                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
+                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
+                    table.add_row(q, r, f"{s.item():.3f}")
+                Console().print(table)
+        # Ziegler et al.: adapt the KL coefficient to the KL measured in this update
+        if args.kl_target is not None:
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon, args.batch_size)
+
+        # evaluate every eval_every episodes and at the end
+        crossed = args.eval_every and episode // args.eval_every > (episode - args.batch_size) // args.eval_every
+        if update == args.num_updates or crossed:
+            eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(model).policy, *eval_args, judge, args.seed)
+            if accelerator.is_main_process:
+                record_eval(args.output_dir, episode, eval_metrics, samples, writer)
+                print(f"eval at episode {episode}: {eval_metrics}")
+
+        # checkpoint after the metrics rows, so a resumed run never repeats or loses one
+        if args.checkpoint_every and update % args.checkpoint_every == 0:
+            rngs = gather_object([rng_state()])  # each process's random state
+            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
+            if accelerator.is_main_process:
+                state = {
+                    "update": update,
+                    "episode": episode,
+                    "kl_coef": kl_coef,
+                    "optimizer": optimizer.state_dict(),
+                    "rng": rngs,
+                    "data_rng": data_rng.get_state(),
+                    "order": order,
+                    "cursor": cursor,
+                }
+                modules = {"model": accelerator.unwrap_model(model)}
+                save_checkpoint(last_checkpoint, modules, state, args.keep_checkpoints)
+            accelerator.wait_for_everyone()
+
+    if args.save_model:
+        accelerator.wait_for_everyone()
+        unwrapped = accelerator.unwrap_model(model)
+        state_dict = accelerator.get_state_dict(model)
+        unwrapped.policy.save_pretrained(
+            args.output_dir,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict={k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")},
+        )
+        if unwrapped.critic is not None:
+            unwrapped.critic.save_pretrained(
+                os.path.join(args.output_dir, "critic"),
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict={k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")},
+            )
+        elif accelerator.is_main_process:
+            head = {k: v for k, v in state_dict.items() if k.startswith("value_head.")}
+            save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(args.output_dir, "value_head.safetensors"))
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+    if accelerator.is_main_process:
+        writer.close()

@@ -1,0 +1,526 @@
+"""RLOO on the TL;DR summarisation benchmark: a Pythia SFT policy learns to write Reddit TL;DRs that a reward model
+prefers, with evaluation by that reward model and by an LLM judge against the reference summaries.
+
+The algorithm is rloo.py's (k completions per prompt, leave-one-out baseline, KL penalty to the SFT policy in the
+reward, clipped steps on the sequence probability ratio); this file adds the TL;DR setup (Stiennon et al. 2020) as the
+N+ implementation details study (Huang et al. 2024, https://arxiv.org/abs/2403.17031) and TRL's benchmark ran it:
+responses of at most 53 tokens sampled at temperature 0.7, a penalty of 1 for a summary without EOS, and evaluation of
+greedy summaries on the validation split.
+
+Reproduce the 1B run (8 GPUs; see README.md for the expected win rates):
+    accelerate launch --config_file configs/deepspeed_zero2.yaml rloo_tldr.py \
+        --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini
+On one GPU (same global batch, 8x the gradient accumulation):
+    python rloo_tldr.py --gradient_accumulation_steps 128
+"""
+
+import copy
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from rich.console import Console
+from rich.pretty import pprint
+from rich.table import Table
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from utils import (
+    INVALID_LOGPROB,
+    check_accelerate_config,
+    check_judge,
+    die,
+    entropy_from_logits,
+    evaluate,
+    forward,
+    generate,
+    get_scores,
+    kl_estimate,
+    left_pad,
+    list_checkpoints,
+    load_checkpoint,
+    load_pretrained,
+    load_prompts,
+    load_tokenizer,
+    logprobs_from_logits,
+    record_eval,
+    rng_state,
+    same_vocabulary,
+    save_checkpoint,
+    set_rng_state,
+    truncate_metrics,
+    truncate_response,
+    write_eval_json,
+)
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl and the trained model go; None: output/{run_name}"""
+    save_model: bool = True
+    """save the policy and tokenizer to output_dir at the end"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+
+    # model and data
+    sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
+    """the SFT policy (init and reference): a hub id or a folder"""
+    reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
+    """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
+    dataset_name: str = "trl-lib/tldr"
+    """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
+    dataset_split: str = "train"
+    """the split to train on"""
+    eval_split: str = "validation"
+    """the split to evaluate on"""
+    prompt_field: str = "prompt"
+    """the column holding the prompts ("SUBREDDIT: r/... TITLE: ... POST: ... TL;DR:")"""
+    reference_field: str = "completion"
+    """the column holding the reference summaries the judge compares against"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped"""
+
+    # rollout
+    response_length: int = 53
+    """the most tokens generated per summary"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    missing_eos_penalty: Optional[float] = 1.0
+    """subtracted from the score of a summary that never produced the stop token"""
+    local_rollout_forward_batch_size: int = 16
+    """completions generated and scored per forward pass in the rollout"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+
+    # algorithm
+    rloo_k: int = 2
+    """the number of completions sampled per prompt"""
+    kl_coef: float = 0.03
+    """the weight of the KL penalty in the reward"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """the per-token KL estimator summed into the penalty"""
+    cliprange: float = 0.2
+    """the clip range of the sequence probability ratio"""
+    normalize_advantage: bool = False
+    """normalise advantages to zero mean and unit std over the batch"""
+
+    # optimisation (the published run: 8 processes, 4,096 completions per update)
+    total_episodes: int = 1_000_000
+    """total completions to train on"""
+    per_device_train_batch_size: int = 16
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 16
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 2
+    """optimiser steps per epoch over the batch"""
+    num_ppo_epochs: int = 2
+    """passes over each batch"""
+    learning_rate: float = 3e-6
+    """the AdamW learning rate, annealed linearly to zero"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+
+    # evaluation: greedy summaries of the first eval_examples prompts of --eval_split
+    eval_every: int = 100_000
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    eval_examples: int = 1000
+    """how many eval-split prompts to summarise (the published win rates use the first 1,000)"""
+    eval_batch_size: int = 64
+    """summaries generated per forward pass in the evaluation, per process"""
+    judge_base_url: Optional[str] = None
+    """an OpenAI-compatible API (https://api.openai.com/v1, a vLLM server, ...) whose model judges each greedy summary
+    against the reference; None: no judge, the reward-model evaluation still runs"""
+    judge_model: str = "gpt-4o-mini"
+    """the judge's model name"""
+    judge_api_key_env: str = "OPENAI_API_KEY"
+    """the environment variable holding the judge's API key (unset: no key is sent)"""
+    judge_timeout: float = 60.0
+    """seconds before a judge request counts as failed"""
+    judge_retries: int = 2
+    """extra attempts for a failed judge request, with backoff"""
+    judge_workers: int = 16
+    """judge requests in flight at once"""
+
+    # to be filled in at runtime
+    world_size: int = 0
+    """the number of processes"""
+    local_batch_size: int = 0
+    """completions per update on each process"""
+    batch_size: int = 0
+    """completions per update on all processes"""
+    local_mini_batch_size: int = 0
+    """completions per optimiser step on each process"""
+    local_prompts: int = 0
+    """prompts per update on each process"""
+    num_updates: int = 0
+    """the number of updates of the run"""
+
+
+def rloo_advantages(rlhf_reward, k):
+    """RLOO: each completion's reward minus the mean reward of the other k - 1 completions of its prompt.
+
+    rlhf_reward is (k * prompts,) in rollout order (row i * prompts + j is the i-th completion of prompt j)."""
+    rewards = rlhf_reward.reshape(k, -1)  # (k, prompts)
+    baseline = (rewards.sum(0) - rewards) / (k - 1)
+    return (rewards - baseline).flatten()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args, use_underscores=True)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    check_accelerate_config(
+        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
+    )
+    args.world_size = accelerator.num_processes
+    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    if args.rloo_k < 2:
+        die(f"--rloo_k must be at least 2 (the leave-one-out baseline needs another sample), got {args.rloo_k}")
+    if args.local_batch_size % args.rloo_k:
+        die(
+            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
+            f"must be a multiple of --rloo_k {args.rloo_k}"
+        )
+    args.local_prompts = args.local_batch_size // args.rloo_k
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
+        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    if args.eval_every < 0 or args.eval_examples < 1 or args.eval_batch_size < 1:
+        die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
+    if args.judge_timeout <= 0 or args.judge_retries < 0 or args.judge_workers < 1:
+        die("--judge_timeout must be positive, --judge_retries >= 0 and --judge_workers >= 1")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("output", run_name)
+    if args.resume and not list_checkpoints(args.output_dir):
+        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
+    if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
+        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    judge = None
+    if args.judge_base_url:
+        judge = {
+            "base_url": args.judge_base_url,
+            "model": args.judge_model,
+            "api_key": os.environ.get(args.judge_api_key_env),
+            "timeout": args.judge_timeout,
+            "retries": args.judge_retries,
+            "workers": args.judge_workers,
+        }
+        if accelerator.is_main_process:
+            check_judge(judge)
+
+    # seeding: a different sampling stream on each process; the prompt order (below) is shared
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    device = accelerator.device
+
+    # tokenizer, models, data
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_token_id = args.stop_token_id
+    if stop_token_id is None and args.stop_token == "eos":
+        stop_token_id = tokenizer.eos_token_id
+        if stop_token_id is None:
+            die(f"tokenizer of {args.sft_model_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+    queries_all, prompt_texts, _ = load_prompts(
+        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+    )
+    eval_queries, eval_texts, eval_refs = load_prompts(
+        args.dataset_name, args.eval_split, args.prompt_field, tokenizer, args.max_prompt_length, args.reference_field
+    )
+    eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
+    policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
+    ref_policy = copy.deepcopy(policy)  # the frozen SFT policy
+    reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
+    if reward_model.config.num_labels != 1:
+        die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
+    rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+    if same_vocabulary(tokenizer, rm_tokenizer):
+        rm_tokenizer = None  # score the policy's tokens directly
+    reward_model.eval().requires_grad_(False).to(device)
+    ref_policy.eval().requires_grad_(False).to(device)
+    policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
+
+    # tracking
+    if accelerator.is_main_process:
+        pprint(args)
+        os.makedirs(args.output_dir, exist_ok=True)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        if args.track:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=run_name,
+                save_code=True,
+            )
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+
+    # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
+    # each process takes its own slice of the global draw
+    data_rng = torch.Generator().manual_seed(args.seed)
+    order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+    global_prompts = args.local_prompts * args.world_size
+    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    start_update, episode, last_checkpoint = 1, 0, None
+    if args.resume:
+        last_checkpoint = list_checkpoints(args.output_dir)[-1]
+        state = load_checkpoint(last_checkpoint, {"policy": accelerator.unwrap_model(policy)})
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"][accelerator.process_index])
+        data_rng.set_state(state["data_rng"])
+        order, cursor = state["order"], state["cursor"]
+        start_update, episode = state["update"] + 1, state["episode"]
+        if accelerator.is_main_process:
+            truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            write_eval_json(args.output_dir)
+            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    eval_args = (tokenizer, reward_model, rm_tokenizer, eval_set, args.response_length, stop_token_id, args.eval_batch_size)
+    if not args.resume:  # the SFT policy's evaluation, the baseline of the curves
+        eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(policy), *eval_args, judge, args.seed)
+        if accelerator.is_main_process:
+            record_eval(args.output_dir, episode, eval_metrics, samples, writer)
+            print(f"eval at episode {episode}: {eval_metrics}")
+    start_episode, start_time = episode, time.time()
+    for update in tqdm(
+        range(start_update, args.num_updates + 1),
+        initial=start_update - 1,
+        total=args.num_updates,
+        disable=not accelerator.is_local_main_process,
+    ):
+        episode += args.batch_size
+        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        idx = []
+        while len(idx) < global_prompts:
+            if cursor == len(order):
+                order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+            take = min(global_prompts - len(idx), len(order) - cursor)
+            idx += order[cursor : cursor + take].tolist()
+            cursor += take
+        idx = idx[accelerator.process_index * args.local_prompts : (accelerator.process_index + 1) * args.local_prompts]
+        queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        # (k * prompts, query_len): row i * prompts + j is the i-th completion of prompt j
+        queries = queries.repeat(args.rloo_k, 1).to(device)
+        query_mask = query_mask.repeat(args.rloo_k, 1).to(device)
+        texts = [prompt_texts[i] for i in idx] * args.rloo_k
+        context_length = queries.shape[1]
+
+        with torch.no_grad():
+            unwrapped = accelerator.unwrap_model(policy)
+            responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
+            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+                query = queries[i : i + args.local_rollout_forward_batch_size]
+                qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
+                response = generate(unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id)
+                # 1. truncate after the stop token; everything after it is padding
+                response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
+                query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
+                # logprobs of the distribution sampled from: logits / temperature
+                logits = forward(unwrapped, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
+                ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1] / args.temperature, response))
+
+                # 2. scores: the reward model at the last real token
+                prompts = texts[i : i + len(query)]
+                scores.append(
+                    get_scores(
+                        reward_model, rm_tokenizer, None, tokenizer, query_response, mask, context_length, length, prompts
+                    )
+                )
+                responses.append(response)
+                lengths.append(length)
+            # chunks may stop at different lengths: pad them all to the longest
+            width = max(r.shape[1] for r in responses)
+            responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
+            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
+            ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
+            scores = torch.cat(scores)
+            lengths = torch.cat(lengths)
+            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            query_responses = torch.cat([queries, responses], 1)
+            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+
+            # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
+            # trainers did, so the reward still ranks them)
+            contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
+            if stop_token_id is not None:
+                contain_eos = (responses == stop_token_id).any(1)
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~contain_eos).float()
+
+            # 3. KL penalty: per-token estimate against the reference, zero on padding, summed per completion
+            kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+            non_score_reward = -args.kl_coef * kl.sum(1)
+            rlhf_reward = scores + non_score_reward
+
+            # 4. advantages from the leave-one-out baseline
+            advantages = rloo_advantages(rlhf_reward, args.rloo_k)
+            if args.normalize_advantage:
+                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
+
+        # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
+        approxkl_stats = torch.zeros(stats_shape, device=device)
+        clipfrac_stats = torch.zeros(stats_shape, device=device)
+        pg_loss_stats = torch.zeros(stats_shape, device=device)
+        entropy_stats = torch.zeros(stats_shape, device=device)
+        ratio_stats = torch.zeros(stats_shape, device=device)
+        for epoch in range(args.num_ppo_epochs):
+            b_inds = torch.randperm(args.local_batch_size, device=device)
+            for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                mb_inds = b_inds[mb_start : mb_start + args.local_mini_batch_size]
+                for ga, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+                    with accelerator.accumulate(policy):
+                        micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
+                        mb_padding = padding_mask[micro_inds]
+                        logits = forward(
+                            policy, query_responses[micro_inds], attention_mask[micro_inds], logits_to_keep=width + 1
+                        ).logits[:, :-1]
+                        logits = logits / args.temperature
+                        new_logprobs = logprobs_from_logits(logits, responses[micro_inds]).masked_fill(mb_padding, 0.0)
+                        # the sequence-level ratio: RLOO treats a whole completion as one action
+                        logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro_inds]
+                        ratio = torch.exp(logprobs_diff)
+                        mb_advantage = advantages[micro_inds]
+                        pg_losses = -mb_advantage * ratio
+                        pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
+                        pg_loss = torch.max(pg_losses, pg_losses2).mean()
+                        if not torch.isfinite(pg_loss):
+                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
+                        accelerator.backward(pg_loss)
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                            # (None under DeepSpeed versions that clip inside their own step)
+                            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
+                                die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            entropy = entropy_from_logits(logits)
+                            approxkl_stats[epoch, mb, ga] = 0.5 * (logprobs_diff**2).mean()
+                            clipfrac_stats[epoch, mb, ga] = (pg_losses2 > pg_losses).float().mean()
+                            pg_loss_stats[epoch, mb, ga] = pg_loss
+                            entropy_stats[epoch, mb, ga] = entropy.masked_fill(mb_padding, 0.0).sum() / (~mb_padding).sum()
+                            ratio_stats[epoch, mb, ga] = ratio.mean()
+
+        # logging: local statistics averaged over processes, written once
+        with torch.no_grad():
+            mean_kl = kl.sum(1).mean()
+            mean_entropy = (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean()
+            stats = {
+                "objective/kl": mean_kl,
+                "objective/entropy": mean_entropy,
+                "objective/non_score_reward": non_score_reward.mean(),
+                "objective/rlhf_reward": rlhf_reward.mean(),
+                "objective/scores": scores.mean(),
+                "policy/approxkl_avg": approxkl_stats.mean(),
+                "policy/clipfrac_avg": clipfrac_stats.mean(),
+                "loss/policy_avg": pg_loss_stats.mean(),
+                "policy/entropy_avg": entropy_stats.mean(),
+                "val/ratio": ratio_stats.mean(),
+                "val/ratio_var": ratio_stats.var(unbiased=False),
+            }
+            means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+            num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+        metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
+        metrics.update(zip(stats.keys(), means))
+        metrics["val/num_eos_tokens"] = num_eos
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, episode)
+            if sample_every and (update - 1) % sample_every == 0:
+                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
+                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
+                    table.add_row(q, r, f"{s.item():.3f}")
+                Console().print(table)
+
+        # evaluate every eval_every episodes and at the end
+        crossed = args.eval_every and episode // args.eval_every > (episode - args.batch_size) // args.eval_every
+        if update == args.num_updates or crossed:
+            eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(policy), *eval_args, judge, args.seed)
+            if accelerator.is_main_process:
+                record_eval(args.output_dir, episode, eval_metrics, samples, writer)
+                print(f"eval at episode {episode}: {eval_metrics}")
+
+        # checkpoint after the metrics rows, so a resumed run never repeats or loses one
+        if args.checkpoint_every and update % args.checkpoint_every == 0:
+            rngs = gather_object([rng_state()])  # each process's random state
+            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
+            if accelerator.is_main_process:
+                state = {
+                    "update": update,
+                    "episode": episode,
+                    "optimizer": optimizer.state_dict(),
+                    "rng": rngs,
+                    "data_rng": data_rng.get_state(),
+                    "order": order,
+                    "cursor": cursor,
+                }
+                modules = {"policy": accelerator.unwrap_model(policy)}
+                save_checkpoint(last_checkpoint, modules, state, args.keep_checkpoints)
+            accelerator.wait_for_everyone()
+
+    if args.save_model:
+        accelerator.wait_for_everyone()
+        accelerator.unwrap_model(policy).save_pretrained(
+            args.output_dir,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(policy),
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+    if accelerator.is_main_process:
+        writer.close()
