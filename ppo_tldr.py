@@ -202,6 +202,8 @@ class Args:
     """judge requests in flight at once"""
 
     # to be filled in at runtime
+    distributed_type: str = ""
+    """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
     world_size: int = 0
     """the number of processes"""
     local_batch_size: int = 0
@@ -286,6 +288,7 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
+    args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches

@@ -148,3 +148,23 @@ def tiny_prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_prompts") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tldr_dir(tmp_path_factory):
+    """train.parquet and validation.parquet with trl-lib/tldr's columns and prompt shape."""
+    from pydoc_data.topics import topics
+
+    import datasets
+
+    subreddits = ["relationships", "AskReddit", "personalfinance", "tifu", "cooking", "running"]
+    rows = []
+    for i, (title, text) in enumerate(sorted(topics.items())[:72]):
+        words = text.split()
+        post = " ".join(words[:30])
+        prompt = f"SUBREDDIT: r/{subreddits[i % 6]}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+        rows.append({"prompt": prompt, "completion": " " + " ".join(words[30 : 33 + i % 7])})
+    path = tmp_path_factory.mktemp("tldr")
+    datasets.Dataset.from_list(rows[:56]).to_parquet(str(path / "train.parquet"))
+    datasets.Dataset.from_list(rows[56:]).to_parquet(str(path / "validation.parquet"))
+    return str(path)

@@ -14,26 +14,6 @@ from test_rloo import check_ok, read_metrics
 PPO_KEYS = RLOO_KEYS + ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "objective/kl_coef"]
 EVAL_KEYS = ["episode", "eval/scores", "eval/response_length", "eval/stopped_fraction"]
 JUDGE_KEYS = EVAL_KEYS + ["eval/judged", "eval/judge_failures", "eval/win_rate"]
-SUBREDDITS = ["relationships", "AskReddit", "personalfinance", "tifu", "cooking", "running"]
-
-
-@pytest.fixture(scope="session")
-def tldr_dir(tmp_path_factory):
-    """train.parquet and validation.parquet with trl-lib/tldr's columns and prompt shape."""
-    from pydoc_data.topics import topics
-
-    import datasets
-
-    rows = []
-    for i, (title, text) in enumerate(sorted(topics.items())[:72]):
-        words = text.split()
-        post = " ".join(words[:30])
-        prompt = f"SUBREDDIT: r/{SUBREDDITS[i % 6]}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
-        rows.append({"prompt": prompt, "completion": " " + " ".join(words[30 : 33 + i % 7])})
-    path = tmp_path_factory.mktemp("tldr")
-    datasets.Dataset.from_list(rows[:56]).to_parquet(str(path / "train.parquet"))
-    datasets.Dataset.from_list(rows[56:]).to_parquet(str(path / "validation.parquet"))
-    return str(path)
 
 
 def validation_rows(tldr_dir):
