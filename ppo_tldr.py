@@ -21,6 +21,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Optional
 
 import numpy as np
@@ -43,6 +44,7 @@ from utils import (
     check_accelerate_config,
     check_judge,
     die,
+    disable_dropout,
     entropy_from_logits,
     evaluate,
     forward,
@@ -179,6 +181,19 @@ class Args:
     """the AdamW learning rate, annealed linearly to zero"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    bf16: bool = False
+    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
+    use_peft: bool = False
+    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
+    the reference is then the policy with its adapters switched off, so no second copy is held"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
+    merge_lora: bool = False
+    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
 
     # evaluation: greedy summaries of the first eval_examples prompts of --eval_split
     eval_every: int = 100_000
@@ -284,7 +299,9 @@ class PolicyAndValue(nn.Module):
 
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else None
+    )
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
@@ -314,6 +331,13 @@ if __name__ == "__main__":
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
+        if args.lora_r < 1:
+            die(f"--lora_r must be at least 1, got {args.lora_r}")
     judge = None
     if args.judge_base_url:
         judge = {
@@ -327,7 +351,8 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             check_judge(judge)
 
-    # seeding: a different sampling stream on each process; the prompt order (below) is shared
+    # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
+    # come from a generator shared by all processes
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)
@@ -349,7 +374,7 @@ if __name__ == "__main__":
     )
     eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
     policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
-    ref_policy = copy.deepcopy(policy)  # the frozen SFT policy
+    ref_policy = None if args.use_peft else copy.deepcopy(policy)  # the frozen SFT policy
     reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
     if reward_model.config.num_labels != 1:
         die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
@@ -357,7 +382,8 @@ if __name__ == "__main__":
     if same_vocabulary(tokenizer, rm_tokenizer):
         rm_tokenizer = None  # score the policy's tokens directly
     reward_model.eval().requires_grad_(False).to(device)
-    ref_policy.eval().requires_grad_(False).to(device)
+    if ref_policy is not None:
+        ref_policy.eval().requires_grad_(False).to(device)
     # the critic: a sequence-classification model whose score head reads every position
     critic = None
     if args.value_model_path:
@@ -371,7 +397,15 @@ if __name__ == "__main__":
         getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
     if critic is not None and critic.config.num_labels != 1:
         die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
+    if args.use_peft:  # after the critic took a copy of the trunk
+        policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
     model = PolicyAndValue(policy, critic).eval()  # no dropout: the sampling policy and the trained one must agree
+    if args.gradient_checkpointing:
+        # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
+        disable_dropout(model)
+        for module in (policy, critic):
+            if module is not None:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # tracking
     if accelerator.is_main_process:
@@ -390,7 +424,8 @@ if __name__ == "__main__":
                 name=run_name,
                 save_code=True,
             )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the critic
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
@@ -400,6 +435,7 @@ if __name__ == "__main__":
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
     kl_coef = args.kl_coef
+    reduce_sum = partial(accelerator.reduce, reduction="sum")  # whitening statistics over all processes
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
@@ -439,19 +475,31 @@ if __name__ == "__main__":
             take = min(args.batch_size - len(idx), len(order) - cursor)
             idx += order[cursor : cursor + take].tolist()
             cursor += take
-        idx = idx[accelerator.process_index * args.local_batch_size : (accelerator.process_index + 1) * args.local_batch_size]
+        # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
+        # a completion depends on the seed and its place in the global batch, not on the process that samples it
+        uniforms = torch.rand((args.batch_size, args.response_length), generator=data_rng)
+        mine = slice(
+            accelerator.process_index * args.local_batch_size, (accelerator.process_index + 1) * args.local_batch_size
+        )
+        idx, uniforms = idx[mine], uniforms[mine]
         queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         queries, query_mask = queries.to(device), query_mask.to(device)
         texts = [prompt_texts[i] for i in idx]
         context_length = queries.shape[1]
 
-        with torch.no_grad():
+        # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
+        # wrap: at the first update the policy and the reference then give identical logprobs
+        with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(model)
+            unwrapped_policy = unwrapped.policy
             responses, logprobs, ref_logprobs, values, scores, lengths = [], [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                response = generate(unwrapped.policy, query, qmask, args.response_length, args.temperature, stop_token_id)
+                uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
+                response = generate(
+                    unwrapped.policy, query, qmask, args.response_length, args.temperature, stop_token_id, uniform
+                )
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
@@ -460,8 +508,14 @@ if __name__ == "__main__":
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
                 values.append(value[:, context_length - 1 : -1])  # the value of the state before each response token
-                ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
-                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1] / args.temperature, response))
+                if ref_policy is None:  # LoRA: the reference is the policy with its adapters switched off
+                    with unwrapped_policy.disable_adapter():
+                        ref_logits = forward(
+                            unwrapped_policy, query_response, mask, logits_to_keep=response.shape[1] + 1
+                        ).logits
+                else:
+                    ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
 
                 # 2. scores: the reward model at the last real token
                 prompts = texts[i : i + len(query)]
@@ -500,14 +554,15 @@ if __name__ == "__main__":
             rewards, value_mask = place_scores(non_score_reward, scores, lengths, args.score_position)
             rlhf_reward = rewards.sum(1)
             if args.whiten_rewards:
-                rewards = masked_whiten(rewards, value_mask, shift_mean=False).masked_fill(~value_mask, 0.0)
+                rewards = masked_whiten(rewards, value_mask, False, reduce_sum).masked_fill(~value_mask, 0.0)
 
-            # 4. advantages: GAE over real tokens, then whitened over them
+            # 4. advantages: GAE over real tokens, then whitened over those of all processes
             values = values.masked_fill(~value_mask, 0.0)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
+            advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce_sum).masked_fill(padding_mask, 0.0)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
+        model.train(args.gradient_checkpointing)
         approxkl_stats = torch.zeros(stats_shape, device=device)
         pg_clipfrac_stats = torch.zeros(stats_shape, device=device)
         pg_loss_stats = torch.zeros(stats_shape, device=device)
@@ -565,6 +620,8 @@ if __name__ == "__main__":
             if args.target_kl is not None:
                 if accelerator.reduce(approxkl_stats[epoch].mean(), reduction="mean").item() > args.target_kl:
                     break
+
+        model.eval()
 
         # logging: local statistics averaged over processes, written once
         with torch.no_grad():
@@ -636,12 +693,16 @@ if __name__ == "__main__":
         accelerator.wait_for_everyone()
         unwrapped = accelerator.unwrap_model(model)
         state_dict = accelerator.get_state_dict(model)
-        unwrapped.policy.save_pretrained(
-            args.output_dir,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            state_dict={k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")},
-        )
+        if args.use_peft:  # the adapters alone (peft's PeftModel.from_pretrained(base, output_dir)), or merged
+            policy_out = unwrapped.policy.merge_and_unload() if args.merge_lora else unwrapped.policy
+            policy_out.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+        else:
+            unwrapped.policy.save_pretrained(
+                args.output_dir,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict={k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")},
+            )
         if unwrapped.critic is not None:
             unwrapped.critic.save_pretrained(
                 os.path.join(args.output_dir, "critic"),

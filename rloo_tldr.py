@@ -40,6 +40,7 @@ from utils import (
     check_accelerate_config,
     check_judge,
     die,
+    disable_dropout,
     entropy_from_logits,
     evaluate,
     forward,
@@ -151,6 +152,19 @@ class Args:
     """the AdamW learning rate, annealed linearly to zero"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    bf16: bool = False
+    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
+    use_peft: bool = False
+    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
+    the reference is then the policy with its adapters switched off, so no second copy is held"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
+    merge_lora: bool = False
+    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
 
     # evaluation: greedy summaries of the first eval_examples prompts of --eval_split
     eval_every: int = 100_000
@@ -201,7 +215,9 @@ def rloo_advantages(rlhf_reward, k):
 
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else None
+    )
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
@@ -235,6 +251,13 @@ if __name__ == "__main__":
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
+        if args.lora_r < 1:
+            die(f"--lora_r must be at least 1, got {args.lora_r}")
     judge = None
     if args.judge_base_url:
         judge = {
@@ -248,7 +271,8 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             check_judge(judge)
 
-    # seeding: a different sampling stream on each process; the prompt order (below) is shared
+    # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
+    # come from a generator shared by all processes
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)
@@ -270,7 +294,7 @@ if __name__ == "__main__":
     )
     eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
     policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
-    ref_policy = copy.deepcopy(policy)  # the frozen SFT policy
+    ref_policy = None if args.use_peft else copy.deepcopy(policy)  # the frozen SFT policy
     reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
     if reward_model.config.num_labels != 1:
         die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
@@ -278,8 +302,15 @@ if __name__ == "__main__":
     if same_vocabulary(tokenizer, rm_tokenizer):
         rm_tokenizer = None  # score the policy's tokens directly
     reward_model.eval().requires_grad_(False).to(device)
-    ref_policy.eval().requires_grad_(False).to(device)
+    if ref_policy is not None:
+        ref_policy.eval().requires_grad_(False).to(device)
+    if args.use_peft:
+        policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
     policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
+    if args.gradient_checkpointing:
+        # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
+        disable_dropout(policy)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # tracking
     if accelerator.is_main_process:
@@ -298,7 +329,8 @@ if __name__ == "__main__":
                 name=run_name,
                 save_code=True,
             )
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
@@ -346,7 +378,12 @@ if __name__ == "__main__":
             take = min(global_prompts - len(idx), len(order) - cursor)
             idx += order[cursor : cursor + take].tolist()
             cursor += take
-        idx = idx[accelerator.process_index * args.local_prompts : (accelerator.process_index + 1) * args.local_prompts]
+        # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
+        # a completion depends on the seed and its place in the global batch, not on the process that samples it
+        uniforms = torch.rand((args.rloo_k, global_prompts, args.response_length), generator=data_rng)
+        mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
+        idx = idx[mine]
+        uniforms = uniforms[:, mine].reshape(-1, args.response_length)  # (k * prompts, response_length), as the queries
         queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (k * prompts, query_len): row i * prompts + j is the i-th completion of prompt j
         queries = queries.repeat(args.rloo_k, 1).to(device)
@@ -354,13 +391,16 @@ if __name__ == "__main__":
         texts = [prompt_texts[i] for i in idx] * args.rloo_k
         context_length = queries.shape[1]
 
-        with torch.no_grad():
-            unwrapped = accelerator.unwrap_model(policy)
+        # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
+        # wrap: at the first update the policy and the reference then give identical logprobs
+        with torch.no_grad(), accelerator.autocast():
+            unwrapped = unwrapped_policy = accelerator.unwrap_model(policy)
             responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                response = generate(unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id)
+                uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
+                response = generate(unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id, uniform)
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
@@ -368,8 +408,14 @@ if __name__ == "__main__":
                 # logprobs of the distribution sampled from: logits / temperature
                 logits = forward(unwrapped, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
                 logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
-                ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
-                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1] / args.temperature, response))
+                if ref_policy is None:  # LoRA: the reference is the policy with its adapters switched off
+                    with unwrapped_policy.disable_adapter():
+                        ref_logits = forward(
+                            unwrapped_policy, query_response, mask, logits_to_keep=response.shape[1] + 1
+                        ).logits
+                else:
+                    ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
 
                 # 2. scores: the reward model at the last real token
                 prompts = texts[i : i + len(query)]
@@ -413,6 +459,7 @@ if __name__ == "__main__":
             seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
+        policy.train(args.gradient_checkpointing)
         approxkl_stats = torch.zeros(stats_shape, device=device)
         clipfrac_stats = torch.zeros(stats_shape, device=device)
         pg_loss_stats = torch.zeros(stats_shape, device=device)
@@ -455,6 +502,8 @@ if __name__ == "__main__":
                             pg_loss_stats[epoch, mb, ga] = pg_loss
                             entropy_stats[epoch, mb, ga] = entropy.masked_fill(mb_padding, 0.0).sum() / (~mb_padding).sum()
                             ratio_stats[epoch, mb, ga] = ratio.mean()
+
+        policy.eval()
 
         # logging: local statistics averaged over processes, written once
         with torch.no_grad():
@@ -517,12 +566,18 @@ if __name__ == "__main__":
 
     if args.save_model:
         accelerator.wait_for_everyone()
-        accelerator.unwrap_model(policy).save_pretrained(
-            args.output_dir,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            state_dict=accelerator.get_state_dict(policy),
-        )
+        unwrapped = accelerator.unwrap_model(policy)
+        if args.use_peft:  # the adapters alone (peft's PeftModel.from_pretrained(base, output_dir)), or merged
+            (unwrapped.merge_and_unload() if args.merge_lora else unwrapped).save_pretrained(
+                args.output_dir, is_main_process=accelerator.is_main_process
+            )
+        else:
+            unwrapped.save_pretrained(
+                args.output_dir,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=accelerator.get_state_dict(policy),
+            )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
     if accelerator.is_main_process:

@@ -94,6 +94,22 @@ def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_a
         ds_config["gradient_clipping"] = max_grad_norm
 
 
+def disable_dropout(model):
+    """Set every dropout probability of a model to zero (nn.Dropout modules, and the floats that attention code reads),
+    so that train mode, which gradient checkpointing needs, computes what eval mode does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for name, value in config.to_dict().items():
+                if "dropout" in name and isinstance(value, float):
+                    setattr(config, name, 0.0)
+
+
 def load_tokenizer(name, trust_remote_code=False):
     """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none)."""
     from transformers import AutoTokenizer
@@ -282,11 +298,29 @@ def forward(model, input_ids, attention_mask, **kwargs):
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
+def sample_tokens(logits, temperature, uniforms):
+    """Draw one token per row from softmax(logits / temperature) by inverse CDF: the first token whose cumulative
+    probability reaches the row's uniform number. A row's token depends on its own logits and number only, so a
+    sample does not change with the batch or the process it is drawn in. Temperature 0: greedy.
+    logits (batch, vocab), uniforms (batch,) in [0, 1) -> tokens (batch, 1)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    cdf = torch.softmax(logits.float() / temperature, dim=-1).cumsum(-1)
+    # scaled by the total (which rounding leaves a hair off 1) and searched to the right, so that neither u = 0 nor
+    # u close to 1 can land on a token of zero probability
+    target = uniforms[:, None].to(cdf) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
+
+
 @torch.no_grad()
-def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None):
+def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None):
     """Sample up to response_length tokens per row from softmax(logits / temperature), no top-k / top-p, with a KV
-    cache (temperature 0: greedy); stops early once every row has produced stop_token_id.
-    Returns responses (batch, <= response_length)."""
+    cache (temperature 0: greedy); stops early once every row has produced stop_token_id. uniforms
+    (batch, response_length) are the random numbers that pick each row's tokens (see sample_tokens); None draws them
+    from torch's global generator. Returns responses (batch, <= response_length)."""
+    if uniforms is None:
+        uniforms = torch.rand(len(queries), response_length)
+    uniforms = uniforms.to(queries.device)
     mask = query_mask
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=queries, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -294,10 +328,7 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens = []
     for t in range(response_length):
-        if temperature == 0:
-            token = out.logits[:, -1].argmax(-1, keepdim=True)  # (batch, 1)
-        else:
-            token = torch.multinomial(torch.softmax(out.logits[:, -1].float() / temperature, dim=-1), 1)
+        token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, t])  # (batch, 1)
         tokens.append(token)
         if stop_token_id is not None:
             done |= token[:, 0] == stop_token_id
@@ -371,9 +402,19 @@ def masked_var(values, mask, unbiased=True):
     return var
 
 
-def masked_whiten(values, mask, shift_mean=True):
-    """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False)."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+def masked_whiten(values, mask, shift_mean=True, reduce=None):
+    """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False). reduce, e.g.
+    partial(accelerator.reduce, reduction="sum"), sums the statistics over processes, so that they are the global
+    batch's and N processes whiten as one would."""
+    m = mask.to(values.dtype)
+    sums = torch.stack([(values * m).sum(), m.sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    mean, n = sums[0] / sums[1], sums[1]
+    squares = ((values - mean) ** 2 * m).sum()
+    if reduce is not None:
+        squares = reduce(squares)
+    var = squares / (n - 1).clamp(min=1)  # unbiased, as masked_var
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -559,29 +600,32 @@ def evaluate(
     device = accelerator.device
     mine = list(range(accelerator.process_index, len(queries), accelerator.num_processes))
     samples = []
-    for start in range(0, len(mine), batch_size):
-        idx = mine[start : start + batch_size]
-        query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
-        query, query_mask = query.to(device), query_mask.to(device)
-        response = generate(policy, query, query_mask, response_length, 0.0, stop_token_id)
-        response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
-        rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
-        query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
-        scores = get_scores(reward_model, rm_tokenizer, None, tokenizer, query_response, mask, query.shape[1], lengths, None)
-        stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
-        completions = tokenizer.batch_decode(response, skip_special_tokens=True)
-        for j, i in enumerate(idx):
-            samples.append(
-                {
-                    "index": i,
-                    "prompt": texts[i],
-                    "reference": references[i],
-                    "completion": completions[j].strip(),
-                    "score": scores[j].item(),
-                    "length": lengths[j].item(),
-                    "stopped": bool(stopped[j]),
-                }
+    with accelerator.autocast():  # the precision the policy trains in
+        for start in range(0, len(mine), batch_size):
+            idx = mine[start : start + batch_size]
+            query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
+            query, query_mask = query.to(device), query_mask.to(device)
+            response = generate(policy, query, query_mask, response_length, 0.0, stop_token_id)
+            response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+            rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
+            query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
+            scores = get_scores(
+                reward_model, rm_tokenizer, None, tokenizer, query_response, mask, query.shape[1], lengths, None
             )
+            stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
+            completions = tokenizer.batch_decode(response, skip_special_tokens=True)
+            for j, i in enumerate(idx):
+                samples.append(
+                    {
+                        "index": i,
+                        "prompt": texts[i],
+                        "reference": references[i],
+                        "completion": completions[j].strip(),
+                        "score": scores[j].item(),
+                        "length": lengths[j].item(),
+                        "stopped": bool(stopped[j]),
+                    }
+                )
     samples = gather_object(samples)
     if not accelerator.is_main_process:
         return None, None

@@ -90,7 +90,7 @@ def test_score_rises_and_the_policy_and_critic_reload(run, tmp_path, tiny_model_
     out = tmp_path / "out"
     proc = run(
         ppo(tiny_model_dir, tiny_prompts_file, out) + f" --reward_fn {tmp_path}/reward.py:vowels --total_episodes 1280"
-        " --per_device_train_batch_size 64 --gradient_accumulation_steps 1 --response_length 16 --learning_rate 1e-2"
+        " --per_device_train_batch_size 64 --gradient_accumulation_steps 1 --response_length 16 --learning_rate 2e-2"
         " --kl_coef 0.01 --temperature 1.0 --num_sample_generations 0",
         cwd=tmp_path,
     )

@@ -139,26 +139,43 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     """Our KV-cached sampler against a naive one that reruns the whole sequence per token, same random stream."""
     model, tok = tiny_lm
     queries, mask = utils.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
-    torch.manual_seed(3)
-    ours = utils.generate(model, queries, mask, response_length=8, temperature=0.9)
-    torch.manual_seed(3)
+    uniforms = torch.rand(len(queries), 8)
+    ours = utils.generate(model, queries, mask, response_length=8, temperature=0.9, uniforms=uniforms)
     seq, seq_mask = queries, mask
     with torch.no_grad():
-        for _ in range(8):
-            logits = utils.forward(model, seq, seq_mask).logits[:, -1]
-            token = torch.multinomial(torch.softmax(logits / 0.9, -1), 1)
+        for t in range(8):
+            probs = torch.softmax(utils.forward(model, seq, seq_mask).logits[:, -1] / 0.9, -1)
+            # inverse CDF, written out: the first token whose cumulative probability reaches the uniform number
+            token = torch.tensor([[int((p.cumsum(0) < u).sum())] for p, u in zip(probs, uniforms[:, t])])
             seq, seq_mask = torch.cat([seq, token], 1), torch.cat([seq_mask, torch.ones_like(token)], 1)
     assert ours.tolist() == seq[:, queries.shape[1] :].tolist()
+    # a row's sample does not depend on the rows batched with it (what lets two processes match one)
+    alone = utils.generate(
+        model, queries[1:2, -1:], mask[1:2, -1:], response_length=8, temperature=0.9, uniforms=uniforms[1:2]
+    )
+    assert alone.tolist() == ours[1:2].tolist()
+
+
+def test_sample_tokens_follows_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 0.0, -1.0, 1.0, -30.0]])
+    n = 200_000
+    tokens = utils.sample_tokens(logits.expand(n, -1), 0.8, torch.rand(n))[:, 0]
+    freq = torch.bincount(tokens, minlength=5).float() / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.8, -1), atol=4e-3, rtol=0)
+    assert utils.sample_tokens(logits, 0.0, torch.rand(1)).item() == 0  # greedy
+    # the extreme uniforms never pick a token of zero probability
+    edges = torch.tensor([[-1000.0, 2.0, 0.0, 1.0, -1000.0]]).expand(2, -1)
+    largest = torch.tensor(1.0).nextafter(torch.tensor(0.0))  # torch.rand's largest value
+    assert utils.sample_tokens(edges, 1.0, torch.stack([torch.tensor(0.0), largest])).tolist() == [[1], [3]]
 
 
 def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     model, tok = tiny_lm
     queries, mask = utils.left_pad([tok("the")["input_ids"]] * 3, tok.pad_token_id)
-    torch.manual_seed(0)
-    free = utils.generate(model, queries, mask, response_length=5, temperature=1.0)
+    uniforms = torch.rand(3, 5)
+    free = utils.generate(model, queries, mask, response_length=5, temperature=1.0, uniforms=uniforms)
     stop = free[0, 0].item()  # a token the first row samples first: with it as the stop token, row 0 stops at once
-    torch.manual_seed(0)
-    out = utils.generate(model, queries, mask, response_length=5, temperature=1.0, stop_token_id=stop)
+    out = utils.generate(model, queries, mask, response_length=5, temperature=1.0, stop_token_id=stop, uniforms=uniforms)
     assert out[0, 0].item() == stop
     stopped_rows = (out == stop).any(1)
     assert out.shape[1] == 5 or stopped_rows.all()

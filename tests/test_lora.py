@@ -1,0 +1,69 @@
+"""--use_peft: LoRA adapters on the policy, the reference being the policy with its adapters switched off."""
+
+import os
+
+import pytest
+from test_rloo import VOWELS, check_ok, read_metrics
+
+
+def common(model, prompts, tmp_path):
+    (tmp_path / "reward.py").write_text(VOWELS)
+    return (
+        f"--model_name_or_path {model} --dataset_name {prompts} --reward_fn {tmp_path}/reward.py:vowels"
+        " --total_episodes 32 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8"
+        " --learning_rate 1e-2 --num_sample_generations 0 --use_peft --lora_r 4 --lora_alpha 8"
+    )
+
+
+def test_rloo_lora_trains_adapters_and_saves_them_or_merges_them(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    args = common(tiny_model_dir, tiny_prompts_file, tmp_path)
+    check_ok(run(f"rloo.py {args} --output_dir {tmp_path / 'adapter'}", tmp_path))
+    check_ok(run(f"rloo.py {args} --merge_lora --output_dir {tmp_path / 'merged'}", tmp_path))
+    rows = read_metrics(tmp_path / "adapter")
+    # the adapters start as a no-op (LoRA's B is zero), so the policy equals its adapter-free reference at first
+    assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] != 0.0
+
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    assert not os.path.exists(tmp_path / "adapter" / "model.safetensors")  # no full copy of the weights
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        adapted_logits = adapted(ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+    assert (adapted_logits - base_logits).abs().max() > 1e-4  # the adapters learned something
+    torch.testing.assert_close(merged_logits, adapted_logits, atol=1e-4, rtol=1e-4)  # same seed, same run, merged
+
+
+def test_ppo_lora_keeps_a_full_critic(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    check_ok(run(f"ppo.py {common(tiny_model_dir, tiny_prompts_file, tmp_path)} --output_dir {out}", tmp_path))
+    rows = read_metrics(out)
+    assert rows[0]["objective/kl"] == 0.0 and len(rows) == 2
+    assert os.path.exists(out / "adapter_model.safetensors") and os.path.exists(out / "critic" / "model.safetensors")
+
+
+def test_use_peft_without_peft_is_one_clear_line(run, tmp_path, tiny_model_dir, tiny_prompts_file, monkeypatch):
+    shadow = tmp_path / "shadow" / "peft"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named peft')\n")  # as if it were not installed
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "shadow"))
+    proc = run(f"rloo.py {common(tiny_model_dir, tiny_prompts_file, tmp_path)} --output_dir {tmp_path / 'out'}", tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: --use_peft needs the peft package: pip install peft"
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("script", ["rloo_tldr.py"])
+def test_tldr_lora_evaluates_the_adapted_policy(script, run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
+    from test_tldr import small
+
+    out = tmp_path / "out"
+    extra = "--use_peft --lora_r 4 --learning_rate 1e-2"
+    check_ok(run(small(script, tldr_dir, tiny_model_dir, tiny_reward_model_dir, out, extra), tmp_path))
+    assert os.path.exists(out / "adapter_model.safetensors") and os.path.exists(out / "eval.json")
