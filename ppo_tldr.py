@@ -60,6 +60,7 @@ from utils import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
+    prepare_frozen,
     record_eval,
     rng_state,
     same_vocabulary,
@@ -69,6 +70,7 @@ from utils import (
     truncate_metrics,
     truncate_response,
     write_eval_json,
+    zero3,
 )
 
 
@@ -305,6 +307,8 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
+    if zero3(accelerator) and (args.checkpoint_every or args.use_peft):
+        die("--checkpoint_every and --use_peft do not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -374,22 +378,35 @@ if __name__ == "__main__":
     )
     eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
     policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
-    ref_policy = None if args.use_peft else copy.deepcopy(policy)  # the frozen SFT policy
+    # the frozen SFT policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
+    # weights are sharded as they load, so the reference is loaded anew rather than copied
+    if args.use_peft:
+        ref_policy = None
+    elif zero3(accelerator):
+        ref_policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
+    else:
+        ref_policy = copy.deepcopy(policy)
     reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
     if reward_model.config.num_labels != 1:
         die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
     rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
     if same_vocabulary(tokenizer, rm_tokenizer):
         rm_tokenizer = None  # score the policy's tokens directly
-    reward_model.eval().requires_grad_(False).to(device)
+    reward_model.eval().requires_grad_(False)
     if ref_policy is not None:
-        ref_policy.eval().requires_grad_(False).to(device)
+        ref_policy.eval().requires_grad_(False)
     # the critic: a sequence-classification model whose score head reads every position
     critic = None
     if args.value_model_path:
         critic = load_pretrained(AutoModelForSequenceClassification, args.value_model_path, args.trust_remote_code)
     elif not args.value_head_shared and rm_tokenizer is None:
-        critic = copy.deepcopy(reward_model).requires_grad_(True)  # as the N+ details study: start from the reward model
+        # as the N+ details study: start from the reward model (loaded anew under ZeRO-3, as the reference)
+        if zero3(accelerator):
+            critic = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
+        else:
+            critic = copy.deepcopy(reward_model).requires_grad_(True)
+    elif not args.value_head_shared and zero3(accelerator):
+        critic = load_pretrained(AutoModelForSequenceClassification, args.sft_model_path, args.trust_remote_code, num_labels=1)
     elif not args.value_head_shared:
         config = copy.deepcopy(policy.config)
         config.num_labels = 1
@@ -427,6 +444,8 @@ if __name__ == "__main__":
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the critic
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
+    # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
+    ref_policy, reward_model = prepare_frozen(accelerator, ref_policy), prepare_frozen(accelerator, reward_model)
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
     # each process takes its own slice of the global draw

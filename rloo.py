@@ -54,12 +54,14 @@ from utils import (
     load_reward_fn,
     load_tokenizer,
     logprobs_from_logits,
+    prepare_frozen,
     rng_state,
     same_vocabulary,
     save_checkpoint,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    zero3,
 )
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
@@ -198,6 +200,8 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
+    if zero3(accelerator) and (args.checkpoint_every or args.use_peft):
+        die("--checkpoint_every and --use_peft do not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -252,7 +256,14 @@ if __name__ == "__main__":
         args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
     )
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
-    ref_policy = None if args.use_peft else copy.deepcopy(policy)  # the frozen initial policy
+    # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
+    # weights are sharded as they load, so the reference is loaded anew rather than copied
+    if args.use_peft:
+        ref_policy = None
+    elif zero3(accelerator):
+        ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    else:
+        ref_policy = copy.deepcopy(policy)
     reward_model = rm_tokenizer = None
     if args.reward_model_path:
         reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
@@ -261,9 +272,9 @@ if __name__ == "__main__":
         rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
         if same_vocabulary(tokenizer, rm_tokenizer):
             rm_tokenizer = None  # score the policy's tokens directly
-        reward_model.eval().requires_grad_(False).to(device)
+        reward_model.eval().requires_grad_(False)
     if ref_policy is not None:
-        ref_policy.eval().requires_grad_(False).to(device)
+        ref_policy.eval().requires_grad_(False)
     if args.use_peft:
         policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
     policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
@@ -292,6 +303,8 @@ if __name__ == "__main__":
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
+    ref_policy, reward_model = prepare_frozen(accelerator, ref_policy), prepare_frozen(accelerator, reward_model)
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
     # each process takes its own slice of the global draw

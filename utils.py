@@ -4,6 +4,7 @@ checkpoints, and the TL;DR scripts' evaluation (reward-model score of greedy sum
 Everything algorithm-specific (baselines, advantages, losses) stays in the scripts.
 """
 
+import copy
 import http.client
 import importlib
 import importlib.util
@@ -92,6 +93,34 @@ def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_a
             die("the DeepSpeed config sets gradient_accumulation_steps; remove it and use --gradient_accumulation_steps")
         ds_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
         ds_config["gradient_clipping"] = max_grad_norm
+
+
+def zero3(accelerator):
+    """True under DeepSpeed ZeRO stage 3 (weights sharded over the processes)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def prepare_frozen(accelerator, model):
+    """A frozen model (reference policy, reward model) on the device. Under ZeRO-3 it is sharded over the processes
+    as a DeepSpeed inference engine with the policy's config (as the N+ details study did), instead of a full copy on
+    each; the engine is called like the model and passes attribute lookups on to it. Call after accelerator.prepare,
+    which fills in the config's "auto" values."""
+    if model is None or not zero3(accelerator):
+        return model if model is None else model.to(accelerator.device)
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    hidden = model.config.hidden_size
+    # no prefetching: a frozen model is called in other orders than a traced training step
+    config["zero_optimization"].update(
+        reduce_bucket_size=hidden * hidden, stage3_param_persistence_threshold=10 * hidden, stage3_prefetch_bucket_size=0
+    )
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # (DeepSpeed's eval() returns None, not the engine)
+    return engine
 
 
 def disable_dropout(model):

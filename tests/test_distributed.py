@@ -41,7 +41,7 @@ def test_two_processes(script, tmp_path, tiny_model_dir, tiny_prompts_file):
     assert os.path.exists(out / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "deepspeed_zero2"])
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3"])
 def test_accelerate_configs_load_and_leave_accumulation_to_the_scripts(name):
     from accelerate.commands.config.config_args import load_config_from_file
     from conftest import REPO
@@ -61,12 +61,15 @@ def test_accumulation_set_by_an_accelerate_config_is_refused(run, tmp_path, tiny
     assert proc.stderr.strip().splitlines()[-1].startswith("error: the accelerate config sets gradient_accumulation_steps=4")
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "ppo_tldr.py"])
-def test_deepspeed_zero2_matches_a_plain_run(
-    script, run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir
+@pytest.mark.parametrize(
+    "stage, script", [("zero2", "rloo.py"), ("zero2", "ppo_tldr.py"), ("zero3", "rloo_tldr.py"), ("zero3", "ppo_tldr.py")]
+)
+def test_deepspeed_matches_a_plain_run(
+    stage, script, run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir
 ):
-    """configs/deepspeed_zero2.yaml with one CPU process: DeepSpeed's engine and ZeRO-2 optimiser take the same steps
-    as plain PyTorch (fp32 throughout), so the metrics and the saved model agree."""
+    """configs/deepspeed_zero{2,3}.yaml with one CPU process: DeepSpeed's engine and ZeRO optimiser take the same steps
+    as plain PyTorch (fp32 throughout), so the metrics and the saved model agree. Under ZeRO-3 the weights are sharded
+    from the moment they load, and the reference and reward models are inference engines."""
     import torch
     from conftest import REPO
     from safetensors.torch import load_file
@@ -79,10 +82,10 @@ def test_deepspeed_zero2_matches_a_plain_run(
             " --num_sample_generations 0 --learning_rate 1e-3"
         )
     else:
-        args = small("ppo_tldr.py", tldr_dir, tiny_model_dir, tiny_reward_model_dir, "unused").split(" --output_dir")[0]
+        args = small(script, tldr_dir, tiny_model_dir, tiny_reward_model_dir, "unused").split(" --output_dir")[0]
         args = args.split(" ", 1)[1] + " --learning_rate 1e-3"
-    config = tmp_path / "zero2.yaml"
-    with open(os.path.join(REPO, "configs", "deepspeed_zero2.yaml")) as f:
+    config = tmp_path / f"{stage}.yaml"
+    with open(os.path.join(REPO, "configs", f"deepspeed_{stage}.yaml")) as f:
         config.write_text(f.read().replace("num_processes: 8", "num_processes: 1"))
     proc = run(f"{script} {args} --output_dir {tmp_path / 'plain'}", tmp_path)
     check_ok(proc)
