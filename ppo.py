@@ -607,6 +607,7 @@ if __name__ == "__main__":
                 "objective/non_score_reward": non_score_reward.sum(1).mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
                 "objective/scores": scores.mean(),
+                "val/response_length": lengths.float().mean(),
                 "policy/approxkl_avg": approxkl_stats[done].mean(),
                 "policy/clipfrac_avg": pg_clipfrac_stats[done].mean(),
                 "loss/policy_avg": pg_loss_stats[done].mean(),

@@ -528,6 +528,7 @@ if __name__ == "__main__":
                 "objective/non_score_reward": non_score_reward.mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
                 "objective/scores": scores.mean(),
+                "val/response_length": lengths.float().mean(),
                 "policy/approxkl_avg": approxkl_stats.mean(),
                 "policy/clipfrac_avg": clipfrac_stats.mean(),
                 "loss/policy_avg": pg_loss_stats.mean(),

@@ -10,6 +10,7 @@ from conftest import train_bpe
 KEYS = (
     "episode eps lr objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores"
     " policy/approxkl_avg policy/clipfrac_avg loss/policy_avg policy/entropy_avg val/ratio val/ratio_var val/num_eos_tokens"
+    " val/response_length"
 ).split()
 
 # dense and learnable by a tiny random model: the share of vowels in the completion's text
@@ -47,6 +48,7 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_mode
         assert r["objective/non_score_reward"] == pytest.approx(-0.05 * r["objective/kl"], abs=1e-6)
         assert r["objective/rlhf_reward"] == pytest.approx(r["objective/scores"] + r["objective/non_score_reward"], abs=1e-5)
         assert 0 <= r["val/num_eos_tokens"] <= 32 and 0 <= r["policy/clipfrac_avg"] <= 1
+        assert 1 <= r["val/response_length"] <= 12
     assert [r["lr"] for r in rows] == pytest.approx([5e-5, 5e-5 * 2 / 3, 5e-5 / 3])
     assert (tmp_path / "runs").is_dir()  # tensorboard
 

@@ -1,0 +1,197 @@
+"""Side by side in one invocation: our script against its peer on the same model, prompts, reward and settings.
+
+    python benchmark/compare.py rloo --updates 20 --out benchmark/results/cpu_rloo   # rloo.py vs TRL RLOOTrainer
+    python benchmark/compare.py ppo --updates 10 --out benchmark/results/cpu_ppo     # ppo.py vs TRL 0.21 PPOTrainer
+
+Both sides run as separate processes, one after the other, on the world of benchmark/world.py (a GPT-NeoX of
+pythia-14m's shape with random weights, a BPE tokenizer, 509 prompts): 53 response tokens, temperature 0.7, one epoch
+of one mini-batch, 64 completions per update (RLOO: 16 prompts x rloo_k 4). RLOO is rewarded by the share of vowels
+(a reward function); PPO by the world's random reward model, which TRL's PPOTrainer needs, with the critic starting
+from it on both sides. The PPO peer runs in benchmark/.venv-trl021 (setup_trl021.sh). The harness samples each
+process's resident memory (with its children) every 0.1 s, reads both metric files, and writes OUT/results.json,
+OUT/results.md and OUT/curves.png (reward, KL and episodes/s against episodes)."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from world import build  # noqa: E402
+
+
+def run(cmd, log):
+    """Run cmd, sampling its resident memory (with children); returns (seconds, peak bytes)."""
+    start, peak = time.time(), 0
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        watched = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                peak = max(peak, sum(p.memory_info().rss for p in [watched, *watched.children(recursive=True)]))
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+    if proc.returncode:
+        sys.exit(f"error: {cmd[1]} failed (exit {proc.returncode}); see {log}")
+    return time.time() - start, peak
+
+
+def matmul_peak(seconds=3.0, n=1024):
+    """Measured fp32 matmul throughput of this machine (FLOP/s), the yardstick for model FLOP utilisation."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    done, start = 0, time.time()
+    while time.time() - start < seconds:
+        a @ b
+        done += 1
+    return done * 2 * n**3 / (time.time() - start)
+
+
+def read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("algo", choices=["rloo", "ppo"])
+    parser.add_argument("--updates", type=int, default=20)
+    parser.add_argument("--out", default=None, help="default: benchmark/results/cpu_{algo}")
+    parser.add_argument("--world", default="benchmark/.world")
+    parser.add_argument("--learning_rate", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    args.out = args.out or f"benchmark/results/cpu_{args.algo}"
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    world = os.path.abspath(build(args.world))
+    k, prompts, length, episodes = 4, 16, 53, args.updates * 64
+
+    ours_dir, peer_dir = os.path.abspath(os.path.join(args.out, "ours")), os.path.abspath(os.path.join(args.out, "trl"))
+    for d in (ours_dir, peer_dir):
+        if os.path.exists(os.path.join(d, "metrics.jsonl")):
+            os.remove(os.path.join(d, "metrics.jsonl"))
+    common = [
+        "--response_length", str(length), "--temperature", "0.7", "--kl_coef", "0.05",
+        "--learning_rate", str(args.learning_rate), "--total_episodes", str(episodes), "--seed", str(args.seed),
+        "--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
+        "--num_ppo_epochs", "1", "--local_rollout_forward_batch_size", "64", "--num_sample_generations", "0",
+        "--no_save_model", "--model_name_or_path", f"{world}/model", "--dataset_name", f"{world}/prompts.jsonl",
+        "--output_dir", ours_dir,
+    ]  # fmt: skip
+    if args.algo == "rloo":
+        ours_cmd = [sys.executable, os.path.join(REPO, "rloo.py"), *common, "--rloo_k", str(k)]
+        ours_cmd += ["--reward_fn", f"{world}/reward.py:vowels"]
+        peer_cmd = [sys.executable, os.path.join(HERE, "trl_rloo.py"), world, peer_dir, "--prompts_per_update", str(prompts)]
+        peer_cmd += ["--k", str(k)]
+        peer_name = "TRL RLOOTrainer"
+    else:
+        ours_cmd = [sys.executable, os.path.join(REPO, "ppo.py"), *common, "--reward_model_path", f"{world}/reward_model"]
+        peer_python = os.path.join(HERE, ".venv-trl021", "bin", "python")
+        if not os.path.exists(peer_python):
+            sys.exit("error: the PPO peer needs benchmark/.venv-trl021: run benchmark/setup_trl021.sh first")
+        peer_cmd = [peer_python, os.path.join(HERE, "trl_ppo.py"), world, peer_dir, "--batch", "64"]
+        peer_name = "TRL PPOTrainer"
+    peer_cmd += ["--updates", str(args.updates), "--response_length", str(length), "--seed", str(args.seed)]
+    peer_cmd += ["--learning_rate", str(args.learning_rate)]
+    peak_flops = matmul_peak()
+    ours_wall, ours_mem = run(ours_cmd, os.path.join(args.out, "ours.log"))
+    peer_wall, peer_mem = run(peer_cmd, os.path.join(args.out, "trl.log"))
+
+    ours, peer = read(os.path.join(ours_dir, "metrics.jsonl")), read(os.path.join(peer_dir, "metrics.jsonl"))
+    peer_version = subprocess.run(
+        [peer_cmd[0], "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    ours_eps = ours[-1]["eps"]  # episodes per second of training, loading excluded, for both
+    peer_eps = peer[-1]["episode"] / peer[-1]["seconds"]
+    ours_len = sum(r["val/response_length"] for r in ours) / len(ours)
+    peer_lengths = [r.get("length") for r in peer]  # TRL's PPOTrainer does not log it: counted at the full length
+    peer_len = sum(peer_lengths) / len(peer) if None not in peer_lengths else float(length)
+
+    # model FLOPs per episode and token (prompt and response), one formula for both sides, N the parameters outside
+    # the embedding: RLOO 12N = generation 2N + the policy's and the reference's logprob passes 2 x 2N + the training
+    # pass 6N; PPO adds the critic's and the reward model's passes (2 x 2N) and the critic's training (6N): 22N.
+    # Attention's own FLOPs are left out.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f"{world}/model"))
+    n = sum(p.numel() for name, p in net.named_parameters() if "embed_in" not in name)
+    tokenizer = AutoTokenizer.from_pretrained(f"{world}/model")
+    with open(f"{world}/prompts.jsonl") as f:
+        prompt_lengths = [len(tokenizer(json.loads(line)["prompt"])["input_ids"]) for line in f]
+    prompt_len = sum(prompt_lengths) / len(prompt_lengths)
+
+    def side(eps, response_len, mem, wall):
+        flops = (12 if args.algo == "rloo" else 22) * n * (prompt_len + response_len)
+        return {
+            "episodes_per_s": eps,
+            "generated_tokens_per_s": eps * response_len,
+            "mean_response_length": response_len,
+            "peak_rss_mib": mem / 2**20,
+            "wall_s": wall,
+            "model_flops_fraction_of_matmul_peak": eps * flops / peak_flops,
+        }
+
+    results = {
+        "setting": {"algo": args.algo, "updates": args.updates, "completions_per_update": 64, "response_length": length,
+                    "epochs": 1, "mini_batches": 1, "learning_rate": args.learning_rate, "seed": args.seed},
+        "machine": {"cpu_count": os.cpu_count(), "matmul_peak_gflops": peak_flops / 1e9, "torch": torch.__version__},
+        "ours": side(ours_eps, ours_len, ours_mem, ours_wall),
+        "trl": side(peer_eps, peer_len, peer_mem, peer_wall) | {"version": peer_version},
+        "ratio_episodes_per_s": ours_eps / peer_eps,
+        "ratio_peak_rss": ours_mem / peer_mem,
+    }  # fmt: skip
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+    rows = [
+        ("episodes/s", "episodes_per_s", "{:.1f}"),
+        ("generated tokens/s", "generated_tokens_per_s", "{:.0f}"),
+        ("peak memory (MiB)", "peak_rss_mib", "{:.0f}"),
+        ("model FLOPs / matmul peak", "model_flops_fraction_of_matmul_peak", "{:.1%}"),
+    ]
+    table = f"| | {args.algo}.py | {peer_name} {peer_version} | ratio |\n| --- | --- | --- | --- |\n"
+    for label, key, fmt in rows:
+        a, b = results["ours"][key], results["trl"][key]
+        table += f"| {label} | {fmt.format(a)} | {fmt.format(b)} | {a / b:.2f}x |\n"
+    table += f"\nfp32 matmul peak measured: {peak_flops / 1e9:.0f} GFLOP/s on {os.cpu_count()} cores.\n"
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    print(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    curves = [
+        (
+            "reward (vowel share)" if args.algo == "rloo" else "reward (random reward model)",
+            [r["objective/scores"] for r in ours],
+            [r["reward"] for r in peer],
+        ),
+        (
+            "KL to the reference" + (" (mean per token)" if args.algo == "rloo" else " (summed per completion)"),
+            # TRL's RLOOTrainer logs a per-token mean, its PPOTrainer a per-completion sum, as our scripts
+            [r["objective/kl"] / (r["val/response_length"] if args.algo == "rloo" else 1) for r in ours],
+            [r["kl"] for r in peer],
+        ),
+        ("episodes/s", [r["eps"] for r in ours], [r["episode"] / r["seconds"] for r in peer]),
+    ]
+    for ax, (title, a, b) in zip(axes, curves):
+        ax.plot([r["episode"] for r in ours], a, label=f"{args.algo}.py")
+        ax.plot([r["episode"] for r in peer], b, label=f"{peer_name} {peer_version}")
+        ax.set_title(title)
+        ax.set_xlabel("episode")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "curves.png"), dpi=100)
