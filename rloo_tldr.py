@@ -439,6 +439,7 @@ if __name__ == "__main__":
                 )
                 responses.append(response)
                 lengths.append(length)
+            del logits, ref_logits  # (chunk, width, vocab) each: freed before the update allocates its own
             # chunks may stop at different lengths: pad them all to the longest
             width = max(r.shape[1] for r in responses)
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])

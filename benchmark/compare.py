@@ -7,8 +7,8 @@ Both sides run as separate processes, one after the other, on the world of bench
 pythia-14m's shape with random weights, a BPE tokenizer, 509 prompts): 53 response tokens, temperature 0.7, one epoch
 of one mini-batch, 64 completions per update (RLOO: 16 prompts x rloo_k 4). RLOO is rewarded by the share of vowels
 (a reward function); PPO by the world's random reward model, which TRL's PPOTrainer needs, with the critic starting
-from it on both sides. The PPO peer runs in benchmark/.venv-trl021 (setup_trl021.sh). The harness samples each
-process's resident memory (with its children) every 0.1 s, reads both metric files, and writes OUT/results.json,
+from it on both sides. The PPO peer runs in benchmark/.venv-trl021 (setup_trl021.sh). The harness takes each
+process's peak resident memory from the kernel (os.wait4), reads both metric files, and writes OUT/results.json,
 OUT/results.md and OUT/curves.png (reward, KL and episodes/s against episodes)."""
 
 import argparse
@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,20 +27,15 @@ from world import build  # noqa: E402
 
 
 def run(cmd, log):
-    """Run cmd, sampling its resident memory (with children); returns (seconds, peak bytes)."""
-    start, peak = time.time(), 0
+    """Run cmd; returns (seconds, peak resident memory in bytes), the peak as the kernel counted it for that process
+    (os.wait4's rusage: exact, not sampled)."""
+    start = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-        watched = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            try:
-                peak = max(peak, sum(p.memory_info().rss for p in [watched, *watched.children(recursive=True)]))
-            except psutil.Error:
-                pass
-            time.sleep(0.1)
-    if proc.returncode:
-        sys.exit(f"error: {cmd[1]} failed (exit {proc.returncode}); see {log}")
-    return time.time() - start, peak
+        _, status, usage = os.wait4(proc.pid, 0)
+    if status:
+        sys.exit(f"error: {cmd[1]} failed (status {status}); see {log}")
+    return time.time() - start, usage.ru_maxrss * 1024  # kilobytes on Linux
 
 
 def matmul_peak(seconds=3.0, n=1024):
