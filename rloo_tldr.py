@@ -371,7 +371,6 @@ if __name__ == "__main__":
         eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(policy), *eval_args, judge, args.seed)
         if accelerator.is_main_process:
             record_eval(args.output_dir, episode, eval_metrics, samples, writer)
-            print(f"eval at episode {episode}: {eval_metrics}")
     start_episode, start_time = episode, time.time()
     for update in tqdm(
         range(start_update, args.num_updates + 1),
@@ -559,7 +558,6 @@ if __name__ == "__main__":
             eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(policy), *eval_args, judge, args.seed)
             if accelerator.is_main_process:
                 record_eval(args.output_dir, episode, eval_metrics, samples, writer)
-                print(f"eval at episode {episode}: {eval_metrics}")
 
         # checkpoint after the metrics rows, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:

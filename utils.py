@@ -106,8 +106,10 @@ def prepare_frozen(accelerator, model):
     as a DeepSpeed inference engine with the policy's config (as the N+ details study did), instead of a full copy on
     each; the engine is called like the model and passes attribute lookups on to it. Call after accelerator.prepare,
     which fills in the config's "auto" values."""
-    if model is None or not zero3(accelerator):
-        return model if model is None else model.to(accelerator.device)
+    if model is None:
+        return None
+    if not zero3(accelerator):
+        return model.to(accelerator.device)
     import deepspeed
 
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
@@ -299,13 +301,13 @@ def get_scores(reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses
     reward function called on the prompt texts and the decoded completions. query_responses (batch, seq) hold
     left-padded queries of context_length columns, then responses of `lengths` real tokens. rm_tokenizer is None when
     the reward model shares the policy's vocabulary; otherwise the text is re-encoded with it."""
-    completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-    if reward_model is None:
-        scores = reward_fn(list(prompts), completions)
-        return check_scores(scores, len(completions), reward_fn.__name__).to(query_responses.device)
-    if rm_tokenizer is None:
+    if reward_model is not None and rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
         ids, last = query_responses, context_length + lengths - 1
     else:
+        completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        if reward_model is None:
+            scores = reward_fn(list(prompts), completions)
+            return check_scores(scores, len(completions), reward_fn.__name__).to(query_responses.device)
         queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
         texts = [q + c for q, c in zip(queries, completions)]
         enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(query_responses.device)
@@ -422,15 +424,6 @@ def masked_mean(values, mask, dim=None):
     return (values * mask).sum(dim) / mask.sum(dim)
 
 
-def masked_var(values, mask, unbiased=True):
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        n = mask.sum()
-        var = var * n / (n - 1).clamp(min=1)
-    return var
-
-
 def masked_whiten(values, mask, shift_mean=True, reduce=None):
     """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False). reduce, e.g.
     partial(accelerator.reduce, reduction="sum"), sums the statistics over processes, so that they are the global
@@ -443,7 +436,7 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None):
     squares = ((values - mean) ** 2 * m).sum()
     if reduce is not None:
         squares = reduce(squares)
-    var = squares / (n - 1).clamp(min=1)  # unbiased, as masked_var
+    var = squares / (n - 1).clamp(min=1)  # unbiased
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -685,6 +678,7 @@ def record_eval(output_dir, episode, metrics, samples, writer=None):
     eval_samples/episode_{episode}.jsonl, and eval.json rebuilt from metrics.jsonl's eval rows (so that a resumed run,
     whose metrics.jsonl was cut back, never lists an evaluation twice)."""
     row = {"episode": episode, **metrics}
+    print(f"eval at episode {episode}: {metrics}")
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if writer is not None:

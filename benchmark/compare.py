@@ -67,7 +67,9 @@ if __name__ == "__main__":
     os.makedirs(args.out, exist_ok=True)
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     world = os.path.abspath(build(args.world))
-    k, prompts, length, episodes = 4, 16, 53, args.updates * 64
+    k, prompts, length = 4, 16, 53
+    batch = str(k * prompts)  # completions per update
+    episodes = args.updates * k * prompts
 
     ours_dir, peer_dir = os.path.abspath(os.path.join(args.out, "ours")), os.path.abspath(os.path.join(args.out, "trl"))
     for d in (ours_dir, peer_dir):
@@ -76,8 +78,8 @@ if __name__ == "__main__":
     common = [
         "--response_length", str(length), "--temperature", "0.7", "--kl_coef", "0.05",
         "--learning_rate", str(args.learning_rate), "--total_episodes", str(episodes), "--seed", str(args.seed),
-        "--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
-        "--num_ppo_epochs", "1", "--local_rollout_forward_batch_size", "64", "--num_sample_generations", "0",
+        "--per_device_train_batch_size", batch, "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
+        "--num_ppo_epochs", "1", "--local_rollout_forward_batch_size", batch, "--num_sample_generations", "0",
         "--no_save_model", "--model_name_or_path", f"{world}/model", "--dataset_name", f"{world}/prompts.jsonl",
         "--output_dir", ours_dir,
     ]  # fmt: skip
@@ -92,7 +94,7 @@ if __name__ == "__main__":
         peer_python = os.path.join(HERE, ".venv-trl021", "bin", "python")
         if not os.path.exists(peer_python):
             sys.exit("error: the PPO peer needs benchmark/.venv-trl021: run benchmark/setup_trl021.sh first")
-        peer_cmd = [peer_python, os.path.join(HERE, "trl_ppo.py"), world, peer_dir, "--batch", "64"]
+        peer_cmd = [peer_python, os.path.join(HERE, "trl_ppo.py"), world, peer_dir, "--batch", batch]
         peer_name = "TRL PPOTrainer"
     peer_cmd += ["--updates", str(args.updates), "--response_length", str(length), "--seed", str(args.seed)]
     peer_cmd += ["--learning_rate", str(args.learning_rate)]
@@ -135,8 +137,9 @@ if __name__ == "__main__":
         }
 
     results = {
-        "setting": {"algo": args.algo, "updates": args.updates, "completions_per_update": 64, "response_length": length,
-                    "epochs": 1, "mini_batches": 1, "learning_rate": args.learning_rate, "seed": args.seed},
+        "setting": {"algo": args.algo, "updates": args.updates, "completions_per_update": k * prompts,
+                    "response_length": length, "epochs": 1, "mini_batches": 1, "learning_rate": args.learning_rate,
+                    "seed": args.seed},
         "machine": {"cpu_count": os.cpu_count(), "matmul_peak_gflops": peak_flops / 1e9, "torch": torch.__version__},
         "ours": side(ours_eps, ours_len, ours_mem, ours_wall),
         "trl": side(peer_eps, peer_len, peer_mem, peer_wall) | {"version": peer_version},

@@ -242,18 +242,11 @@ def test_bad_input_is_one_clear_line_before_any_work(
 
 
 def test_two_processes_shard_the_evaluation(tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
-    import shlex
-    import subprocess
-    import sys
-
-    from conftest import REPO
+    from test_distributed import launch
 
     out = tmp_path / "out"
-    script, *args = shlex.split(small("rloo_tldr.py", tldr_dir, tiny_model_dir, tiny_reward_model_dir, out))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "ACCELERATE_USE_CPU": "1"})
-    check_ok(proc)
+    script, args = small("rloo_tldr.py", tldr_dir, tiny_model_dir, tiny_reward_model_dir, out).split(" ", 1)
+    check_ok(launch(2, script, args, tmp_path))
     rows = read_metrics(out)
     # 32 episodes = one update of 2 processes x 16 completions; each row written once
     assert [r["episode"] for r in rows] == [0, 32, 32]

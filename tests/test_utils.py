@@ -57,8 +57,6 @@ def test_masked_statistics_match_selected_entries():
     mask = torch.rand(4, 7, generator=g) > 0.4
     picked = values[mask]
     assert utils.masked_mean(values, mask).item() == pytest.approx(picked.mean().item(), rel=1e-5)
-    assert utils.masked_var(values, mask).item() == pytest.approx(picked.var().item(), rel=1e-5)
-    assert utils.masked_var(values, mask, unbiased=False).item() == pytest.approx(picked.var(unbiased=False).item(), rel=1e-5)
     torch.testing.assert_close(
         utils.masked_mean(values, mask, dim=1), torch.stack([v[m].mean() for v, m in zip(values, mask)])
     )
