@@ -47,7 +47,6 @@ from utils import (
     check_accelerate_config,
     die,
     disable_dropout,
-    entropy_from_logits,
     forward,
     generate,
     get_scores,
@@ -557,7 +556,7 @@ if __name__ == "__main__":
                         logits, vpred = model(query_responses[micro_inds], attention_mask[micro_inds], width + 1)
                         logits = logits[:, :-1] / args.temperature
                         vpred = vpred[:, context_length - 1 : -1].masked_fill(~mb_value_mask, 0.0)
-                        new_logprobs = logprobs_from_logits(logits, responses[micro_inds])
+                        new_logprobs, entropy = logprobs_from_logits(logits, responses[micro_inds], with_entropy=True)
                         new_logprobs = new_logprobs.masked_fill(~mb_mask, INVALID_LOGPROB)
 
                         # PPO: the per-token ratio, clipped
@@ -590,7 +589,7 @@ if __name__ == "__main__":
                             pg_loss_stats[epoch, mb, ga] = pg_loss
                             vf_loss_stats[epoch, mb, ga] = vf_loss
                             vf_clipfrac_stats[epoch, mb, ga] = vf_clipfrac
-                            entropy_stats[epoch, mb, ga] = masked_mean(entropy_from_logits(logits), mb_mask)
+                            entropy_stats[epoch, mb, ga] = masked_mean(entropy, mb_mask)
                             ratio_stats[epoch, mb, ga] = masked_mean(ratio, mb_mask)
             # every process must agree to stop, so the decision uses the mean over processes
             if args.target_kl is not None:

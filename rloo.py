@@ -41,8 +41,7 @@ from utils import (
     check_accelerate_config,
     die,
     disable_dropout,
-    entropy_from_logits,
-    forward,
+    forward_grouped,
     generate,
     get_scores,
     kl_estimate,
@@ -186,9 +185,9 @@ class Args:
 def rloo_advantages(rlhf_reward, k):
     """RLOO: each completion's reward minus the mean reward of the other k - 1 completions of its prompt.
 
-    rlhf_reward is (k * prompts,) in rollout order (row i * prompts + j is the i-th completion of prompt j)."""
-    rewards = rlhf_reward.reshape(k, -1)  # (k, prompts)
-    baseline = (rewards.sum(0) - rewards) / (k - 1)
+    rlhf_reward is (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j)."""
+    rewards = rlhf_reward.reshape(-1, k)  # (prompts, k)
+    baseline = (rewards.sum(1, keepdim=True) - rewards) / (k - 1)
     return (rewards - baseline).flatten()
 
 
@@ -312,6 +311,10 @@ if __name__ == "__main__":
     order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
     global_prompts = args.local_prompts * args.world_size
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
+    # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
+    rollout_group = args.rloo_k if args.local_rollout_forward_batch_size % args.rloo_k == 0 else 1
+    train_group = 1 if args.per_device_train_batch_size % args.rloo_k or args.gradient_checkpointing else args.rloo_k
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
@@ -346,15 +349,16 @@ if __name__ == "__main__":
             cursor += take
         # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
         # a completion depends on the seed and its place in the global batch, not on the process that samples it
-        uniforms = torch.rand((args.rloo_k, global_prompts, args.response_length), generator=data_rng)
+        uniforms = torch.rand((global_prompts, args.rloo_k, args.response_length), generator=data_rng)
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
         idx = idx[mine]
-        uniforms = uniforms[:, mine].reshape(-1, args.response_length)  # (k * prompts, response_length), as the queries
+        uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
         queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
-        # (k * prompts, query_len): row i * prompts + j is the i-th completion of prompt j
-        queries = queries.repeat(args.rloo_k, 1).to(device)
-        query_mask = query_mask.repeat(args.rloo_k, 1).to(device)
-        texts = [prompt_texts[i] for i in idx] * args.rloo_k
+        # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
+        # so the forward passes can run each prompt once (utils.forward_grouped)
+        queries = queries.repeat_interleave(args.rloo_k, 0).to(device)
+        query_mask = query_mask.repeat_interleave(args.rloo_k, 0).to(device)
+        texts = [prompt_texts[i] for i in idx for _ in range(args.rloo_k)]
         context_length = queries.shape[1]
 
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
@@ -366,21 +370,24 @@ if __name__ == "__main__":
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
                 uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
-                response = generate(unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id, uniform)
+                response = generate(
+                    unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id, uniform, rollout_group
+                )
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
                 # logprobs of the distribution sampled from: logits / temperature
-                logits = forward(unwrapped, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                keep = response.shape[1] + 1
+                logits = forward_grouped(unwrapped, query_response, mask, context_length, rollout_group, keep)
                 logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
                 if ref_policy is None:  # LoRA: the reference is the policy with its adapters switched off
                     with unwrapped_policy.disable_adapter():
-                        ref_logits = forward(
-                            unwrapped_policy, query_response, mask, logits_to_keep=response.shape[1] + 1
-                        ).logits
+                        ref_logits = forward_grouped(
+                            unwrapped_policy, query_response, mask, context_length, rollout_group, keep
+                        )
                 else:
-                    ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                    ref_logits = forward_grouped(ref_policy, query_response, mask, context_length, rollout_group, keep)
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
 
                 # 2. scores: the reward model at the last real token, or the reward function on the decoded text
@@ -433,18 +440,26 @@ if __name__ == "__main__":
         entropy_stats = torch.zeros(stats_shape, device=device)
         ratio_stats = torch.zeros(stats_shape, device=device)
         for epoch in range(args.num_ppo_epochs):
-            b_inds = torch.randperm(args.local_batch_size, device=device)
+            # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
+            b_inds = torch.randperm(args.local_prompts, device=device)[:, None] * args.rloo_k
+            b_inds = (b_inds + torch.arange(args.rloo_k, device=device)).flatten()
             for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
                 mb_inds = b_inds[mb_start : mb_start + args.local_mini_batch_size]
                 for ga, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
                     with accelerator.accumulate(policy):
                         micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
                         mb_padding = padding_mask[micro_inds]
-                        logits = forward(
-                            policy, query_responses[micro_inds], attention_mask[micro_inds], logits_to_keep=width + 1
-                        ).logits[:, :-1]
+                        logits = forward_grouped(
+                            policy,
+                            query_responses[micro_inds],
+                            attention_mask[micro_inds],
+                            context_length,
+                            train_group,
+                            width + 1,
+                        )[:, :-1]
                         logits = logits / args.temperature
-                        new_logprobs = logprobs_from_logits(logits, responses[micro_inds]).masked_fill(mb_padding, 0.0)
+                        new_logprobs, entropy = logprobs_from_logits(logits, responses[micro_inds], with_entropy=True)
+                        new_logprobs = new_logprobs.masked_fill(mb_padding, 0.0)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro_inds]
                         ratio = torch.exp(logprobs_diff)
@@ -463,7 +478,6 @@ if __name__ == "__main__":
                         optimizer.step()
                         optimizer.zero_grad()
                         with torch.no_grad():
-                            entropy = entropy_from_logits(logits)
                             approxkl_stats[epoch, mb, ga] = 0.5 * (logprobs_diff**2).mean()
                             clipfrac_stats[epoch, mb, ga] = (pg_losses2 > pg_losses).float().mean()
                             pg_loss_stats[epoch, mb, ga] = pg_loss

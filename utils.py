@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate.utils import gather_object
 from safetensors.torch import load_model, save_model
 
@@ -329,6 +328,30 @@ def forward(model, input_ids, attention_mask, **kwargs):
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
+def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep):
+    """The logits of forward() at the last logits_to_keep (>= 2) positions, for rows that come in groups of `group`
+    completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length tokens).
+    Each prompt is run once and its keys and values are repeated for its completions: with k = 4 and prompts as long
+    as the responses, about 40% less compute than running every row in full. group=1 is plain forward(). Not for
+    gradient checkpointing, which transformers runs without a cache."""
+    if group == 1:
+        return forward(model, query_responses, mask, logits_to_keep=logits_to_keep).logits
+    prompt = forward(
+        model, query_responses[::group, :context_length], mask[::group, :context_length], use_cache=True, logits_to_keep=1
+    )
+    cache = prompt.past_key_values
+    cache.batch_repeat_interleave(group)  # (prompts, ...) -> (prompts * group, ...), differentiable
+    positions = (mask.cumsum(1) - mask)[:, context_length:]
+    rest = model(
+        input_ids=query_responses[:, context_length:],
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        logits_to_keep=logits_to_keep - 1,
+    ).logits
+    return torch.cat([prompt.logits.repeat_interleave(group, 0), rest], 1)
+
+
 def sample_tokens(logits, temperature, uniforms):
     """Draw one token per row from softmax(logits / temperature) by inverse CDF: the first token whose cumulative
     probability reaches the row's uniform number. A row's token depends on its own logits and number only, so a
@@ -344,17 +367,27 @@ def sample_tokens(logits, temperature, uniforms):
 
 
 @torch.no_grad()
-def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None):
+def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, group=1):
     """Sample up to response_length tokens per row from softmax(logits / temperature), no top-k / top-p, with a KV
     cache (temperature 0: greedy); stops early once every row has produced stop_token_id. uniforms
     (batch, response_length) are the random numbers that pick each row's tokens (see sample_tokens); None draws them
-    from torch's global generator. Returns responses (batch, <= response_length)."""
+    from torch's global generator. group: rows come in groups of this many copies of one query (as in
+    forward_grouped), whose prompt is then run once. Returns responses (batch, <= response_length)."""
     if uniforms is None:
         uniforms = torch.rand(len(queries), response_length)
     uniforms = uniforms.to(queries.device)
     mask = query_mask
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=queries, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=queries[::group],
+        attention_mask=mask[::group],
+        position_ids=positions[::group],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    if group > 1:
+        out.past_key_values.batch_repeat_interleave(group)
+        out.logits = out.logits.repeat_interleave(group, 0)
     positions = positions[:, -1:]
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens = []
@@ -386,16 +419,15 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     return responses.masked_fill(idx[None, :] >= lengths[:, None], pad_token_id), lengths
 
 
-def logprobs_from_logits(logits, tokens):
-    """log p(token) per position: logits (batch, seq, vocab), tokens (batch, seq) -> (batch, seq)."""
-    logits = logits.float()
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) per position: (batch, seq, vocab) -> (batch, seq)."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+def logprobs_from_logits(logits, tokens, with_entropy=False):
+    """log p(token) per position: logits (batch, seq, vocab), tokens (batch, seq) -> (batch, seq). with_entropy: also
+    the entropy of each position's distribution, (batch, seq), from the same log-softmax and without gradient."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # one fused pass over the vocabulary
+    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return picked
+    with torch.no_grad():
+        return picked, -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

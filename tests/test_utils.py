@@ -20,11 +20,11 @@ def test_rloo_advantages_match_loop():
     expected = torch.zeros_like(rewards)
     for j in range(prompts):
         for i in range(k):
-            others = [rewards[m * prompts + j].item() for m in range(k) if m != i]
-            expected[i * prompts + j] = rewards[i * prompts + j] - sum(others) / (k - 1)
+            others = [rewards[j * k + m].item() for m in range(k) if m != i]
+            expected[j * k + i] = rewards[j * k + i] - sum(others) / (k - 1)
     torch.testing.assert_close(rloo_advantages(rewards, k), expected)
     # the advantages of one prompt's completions sum to zero: the baseline takes nothing from the expected gradient
-    torch.testing.assert_close(rloo_advantages(rewards, k).reshape(k, prompts).sum(0), torch.zeros(prompts))
+    torch.testing.assert_close(rloo_advantages(rewards, k).reshape(prompts, k).sum(1), torch.zeros(prompts))
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
@@ -86,7 +86,9 @@ def test_logprobs_and_entropy_match_log_softmax():
     logp = torch.log_softmax(logits, -1)
     expected = torch.tensor([[logp[b, t, tokens[b, t]].item() for t in range(3)] for b in range(2)])
     torch.testing.assert_close(utils.logprobs_from_logits(logits, tokens), expected)
-    torch.testing.assert_close(utils.entropy_from_logits(logits), -(logp.exp() * logp).sum(-1))
+    picked, entropy = utils.logprobs_from_logits(logits, tokens, with_entropy=True)
+    torch.testing.assert_close(picked, expected)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1))
 
 
 def test_left_pad():
@@ -152,6 +154,39 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
         model, queries[1:2, -1:], mask[1:2, -1:], response_length=8, temperature=0.9, uniforms=uniforms[1:2]
     )
     assert alone.tolist() == ours[1:2].tolist()
+
+
+def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm):
+    """Each prompt run once for its k completions: the same logits and the same gradients as running every row in
+    full, with left-padded prompts of different lengths and right-padded responses."""
+    model, tok = tiny_lm
+    k, width = 3, 5
+    prompts, pmask = utils.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]], tok.pad_token_id)
+    queries, qmask = prompts.repeat_interleave(k, 0), pmask.repeat_interleave(k, 0)  # row j * k + i: prompt j
+    responses = torch.randint(0, model.config.vocab_size, (len(queries), width), generator=torch.Generator().manual_seed(0))
+    rmask = (torch.arange(width)[None, :] < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]).long()
+    seqs, mask = torch.cat([queries, responses], 1), torch.cat([qmask, rmask], 1)
+    context = queries.shape[1]
+    results = []
+    for group in (1, k):
+        model.zero_grad()
+        logits = utils.forward_grouped(model, seqs, mask, context, group, width + 1)
+        assert logits.shape == (len(seqs), width + 1, model.config.vocab_size)
+        logp = utils.logprobs_from_logits(logits[:, :-1], responses)
+        (logp * rmask).sum().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (plain, plain_grads), (grouped, grouped_grads) = results
+    full = utils.forward(model, seqs, mask).logits[:, context - 1 :]  # forward() itself, all positions
+    torch.testing.assert_close(plain, full.detach())
+    torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grouped_grads, plain_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+    # generation with the prompt run once per group samples the same tokens from the same numbers
+    uniforms = torch.rand(len(queries), 6)
+    alone = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms)
+    grouped = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms, group=k)
+    assert grouped.tolist() == alone.tolist()
 
 
 def test_sample_tokens_follows_the_tempered_distribution():
