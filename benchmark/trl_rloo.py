@@ -65,6 +65,7 @@ config = RLOOConfig(
     report_to="none",
     use_cpu=True,
     bf16=False,
+    gradient_checkpointing=False,  # TRL's default is on; rloo.py's is off (--gradient_checkpointing)
     seed=args.seed,
     disable_tqdm=True,
 )
