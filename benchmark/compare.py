@@ -66,6 +66,9 @@ if __name__ == "__main__":
     args.out = args.out or f"benchmark/results/cpu_{args.algo}"
     os.makedirs(args.out, exist_ok=True)
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    # both sides on the CPU, also on a machine with a GPU: the peers run with use_cpu=True and the memory measured is
+    # the processes' resident memory (a GPU mode is not written yet)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     world = os.path.abspath(build(args.world))
     k, prompts, length = 4, 16, 53
     batch = str(k * prompts)  # completions per update
