@@ -332,8 +332,8 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     """The logits of forward() at the last logits_to_keep (>= 2) positions, for rows that come in groups of `group`
     completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length tokens).
     Each prompt is run once and its keys and values are repeated for its completions: with k = 4 and prompts as long
-    as the responses, about 40% less compute than running every row in full. group=1 is plain forward(). Not for
-    gradient checkpointing, which transformers runs without a cache."""
+    as the responses, 3/8 fewer positions go through the model than when every row runs in full. group=1 is plain
+    forward(). Not for gradient checkpointing, which transformers runs without a cache."""
     if group == 1:
         return forward(model, query_responses, mask, logits_to_keep=logits_to_keep).logits
     prompt = forward(
