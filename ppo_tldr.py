@@ -61,6 +61,7 @@ from utils import (
     masked_whiten,
     prepare_frozen,
     record_eval,
+    reference_model,
     rng_state,
     same_vocabulary,
     save_checkpoint,
@@ -508,7 +509,6 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(model)
-            unwrapped_policy = unwrapped.policy
             responses, logprobs, ref_logprobs, values, scores, lengths = [], [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
@@ -525,13 +525,8 @@ if __name__ == "__main__":
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
                 values.append(value[:, context_length - 1 : -1])  # the value of the state before each response token
-                if ref_policy is None:  # LoRA: the reference is the policy with its adapters switched off
-                    with unwrapped_policy.disable_adapter():
-                        ref_logits = forward(
-                            unwrapped_policy, query_response, mask, logits_to_keep=response.shape[1] + 1
-                        ).logits
-                else:
-                    ref_logits = forward(ref_policy, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
+                with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
+                    ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
 
                 # 2. scores: the reward model at the last real token

@@ -55,6 +55,7 @@ from utils import (
     logprobs_from_logits,
     prepare_frozen,
     record_eval,
+    reference_model,
     rng_state,
     same_vocabulary,
     save_checkpoint,
@@ -410,7 +411,7 @@ if __name__ == "__main__":
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
-            unwrapped = unwrapped_policy = accelerator.unwrap_model(policy)
+            unwrapped = accelerator.unwrap_model(policy)
             responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
@@ -427,13 +428,8 @@ if __name__ == "__main__":
                 keep = response.shape[1] + 1
                 logits = forward_grouped(unwrapped, query_response, mask, context_length, rollout_group, keep)
                 logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
-                if ref_policy is None:  # LoRA: the reference is the policy with its adapters switched off
-                    with unwrapped_policy.disable_adapter():
-                        ref_logits = forward_grouped(
-                            unwrapped_policy, query_response, mask, context_length, rollout_group, keep
-                        )
-                else:
-                    ref_logits = forward_grouped(ref_policy, query_response, mask, context_length, rollout_group, keep)
+                with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
+                    ref_logits = forward_grouped(ref, query_response, mask, context_length, rollout_group, keep)
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
 
                 # 2. scores: the reward model at the last real token

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -322,10 +323,32 @@ def get_scores(reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses
 # sampling and logprobs
 
 
+@contextmanager
+def reference_model(policy, ref_policy):
+    """The frozen reference to run: ref_policy, or with LoRA (ref_policy None) the policy with its adapters switched
+    off for the duration."""
+    if ref_policy is not None:
+        yield ref_policy
+    else:
+        with policy.disable_adapter():
+            yield policy
+
+
 def forward(model, input_ids, attention_mask, **kwargs):
     """A causal LM on left-padded rows, with positions counted from each row's first real token as generate() does."""
     position_ids = attention_mask.cumsum(1) - attention_mask
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+
+def forward_prompts(model, queries, query_mask, group):
+    """forward() of left-padded prompts with a KV cache, for rows that come in groups of `group` copies of one prompt
+    (see forward_grouped): each prompt runs once, and the last position's logits (rows, 1, vocab) and the cache are
+    repeated to every row."""
+    out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
+    if group > 1:
+        out.past_key_values.batch_repeat_interleave(group)  # (prompts, ...) -> (prompts * group, ...), differentiable
+        out.logits = out.logits.repeat_interleave(group, 0)
+    return out
 
 
 def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep):
@@ -336,20 +359,16 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     forward(). Not for gradient checkpointing, which transformers runs without a cache."""
     if group == 1:
         return forward(model, query_responses, mask, logits_to_keep=logits_to_keep).logits
-    prompt = forward(
-        model, query_responses[::group, :context_length], mask[::group, :context_length], use_cache=True, logits_to_keep=1
-    )
-    cache = prompt.past_key_values
-    cache.batch_repeat_interleave(group)  # (prompts, ...) -> (prompts * group, ...), differentiable
+    prompt = forward_prompts(model, query_responses[:, :context_length], mask[:, :context_length], group)
     positions = (mask.cumsum(1) - mask)[:, context_length:]
     rest = model(
         input_ids=query_responses[:, context_length:],
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        past_key_values=prompt.past_key_values,
         logits_to_keep=logits_to_keep - 1,
     ).logits
-    return torch.cat([prompt.logits.repeat_interleave(group, 0), rest], 1)
+    return torch.cat([prompt.logits, rest], 1)
 
 
 def sample_tokens(logits, temperature, uniforms):
@@ -376,19 +395,9 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
     if uniforms is None:
         uniforms = torch.rand(len(queries), response_length)
     uniforms = uniforms.to(queries.device)
+    out = forward_prompts(model, queries, query_mask, group)
     mask = query_mask
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(
-        input_ids=queries[::group],
-        attention_mask=mask[::group],
-        position_ids=positions[::group],
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    if group > 1:
-        out.past_key_values.batch_repeat_interleave(group)
-        out.logits = out.logits.repeat_interleave(group, 0)
-    positions = positions[:, -1:]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -1:]
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens = []
     for t in range(response_length):
