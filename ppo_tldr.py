@@ -523,11 +523,11 @@ if __name__ == "__main__":
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
                 # logprobs of the distribution sampled from: logits / temperature
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
-                logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
+                logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
                 values.append(value[:, context_length - 1 : -1])  # the value of the state before each response token
                 with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
-                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
 
                 # 2. scores: the reward model at the last real token
                 prompts = texts[i : i + len(query)]
@@ -592,9 +592,11 @@ if __name__ == "__main__":
                         micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
                         mb_mask, mb_value_mask = ~padding_mask[micro_inds], value_mask[micro_inds]
                         logits, vpred = model(query_responses[micro_inds], attention_mask[micro_inds], width + 1)
-                        logits = logits[:, :-1] / args.temperature
+                        logits = logits[:, :-1]
                         vpred = vpred[:, context_length - 1 : -1].masked_fill(~mb_value_mask, 0.0)
-                        new_logprobs, entropy = logprobs_from_logits(logits, responses[micro_inds], with_entropy=True)
+                        new_logprobs, entropy = logprobs_from_logits(
+                            logits, responses[micro_inds], args.temperature, with_entropy=True
+                        )
                         new_logprobs = new_logprobs.masked_fill(~mb_mask, INVALID_LOGPROB)
 
                         # PPO: the per-token ratio, clipped

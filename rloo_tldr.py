@@ -427,10 +427,10 @@ if __name__ == "__main__":
                 # logprobs of the distribution sampled from: logits / temperature
                 keep = response.shape[1] + 1
                 logits = forward_grouped(unwrapped, query_response, mask, context_length, rollout_group, keep)
-                logprobs.append(logprobs_from_logits(logits[:, :-1] / args.temperature, response))
+                logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
                 with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = forward_grouped(ref, query_response, mask, context_length, rollout_group, keep)
-                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1].float() / args.temperature, response))
+                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
 
                 # 2. scores: the reward model at the last real token
                 prompts = texts[i : i + len(query)]
@@ -499,8 +499,9 @@ if __name__ == "__main__":
                             train_group,
                             width + 1,
                         )[:, :-1]
-                        logits = logits / args.temperature
-                        new_logprobs, entropy = logprobs_from_logits(logits, responses[micro_inds], with_entropy=True)
+                        new_logprobs, entropy = logprobs_from_logits(
+                            logits, responses[micro_inds], args.temperature, with_entropy=True
+                        )
                         new_logprobs = new_logprobs.masked_fill(mb_padding, 0.0)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro_inds]

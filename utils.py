@@ -352,23 +352,25 @@ def forward_prompts(model, queries, query_mask, group):
 
 
 def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep):
-    """The logits of forward() at the last logits_to_keep (>= 2) positions, for rows that come in groups of `group`
-    completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length tokens).
-    Each prompt is run once and its keys and values are repeated for its completions: with k = 4 and prompts as long
-    as the responses, 3/8 fewer positions go through the model than when every row runs in full. group=1 is plain
-    forward(). Not for gradient checkpointing, which transformers runs without a cache."""
-    if group == 1:
+    """The logits of forward() at the last logits_to_keep positions (at most the response's length + 1), for rows that
+    come in groups of `group` completions of one prompt (rows g * group ... g * group + group - 1 share their first
+    context_length tokens). Each prompt is run once and its keys and values are repeated for its completions: with
+    k = 4 and prompts as long as the responses, 3/8 fewer positions go through the model than when every row runs in
+    full. group=1 is plain forward(). Not for gradient checkpointing, which transformers runs without a cache."""
+    if group == 1 or context_length < 2:
         return forward(model, query_responses, mask, logits_to_keep=logits_to_keep).logits
-    prompt = forward_prompts(model, query_responses[:, :context_length], mask[:, :context_length], group)
-    positions = (mask.cumsum(1) - mask)[:, context_length:]
-    rest = model(
-        input_ids=query_responses[:, context_length:],
+    # the prompt's last token runs with the response, once per row: then one call makes all the logits wanted, and
+    # no copy of a (rows, positions, vocabulary) tensor is needed to join two calls' logits
+    start = context_length - 1
+    prompt = forward_prompts(model, query_responses[:, :start], mask[:, :start], group)
+    positions = (mask.cumsum(1) - mask)[:, start:]
+    return model(
+        input_ids=query_responses[:, start:],
         attention_mask=mask,
         position_ids=positions,
         past_key_values=prompt.past_key_values,
-        logits_to_keep=logits_to_keep - 1,
+        logits_to_keep=logits_to_keep,
     ).logits
-    return torch.cat([prompt.logits, rest], 1)
 
 
 def sample_tokens(logits, temperature, uniforms):
@@ -428,15 +430,58 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     return responses.masked_fill(idx[None, :] >= lengths[:, None], pad_token_id), lengths
 
 
-def logprobs_from_logits(logits, tokens, with_entropy=False):
-    """log p(token) per position: logits (batch, seq, vocab), tokens (batch, seq) -> (batch, seq). with_entropy: also
-    the entropy of each position's distribution, (batch, seq), from the same log-softmax and without gradient."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # one fused pass over the vocabulary
-    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return picked
-    with torch.no_grad():
-        return picked, -(logp.exp() * logp).sum(-1)
+def _chunks(shape, budget):
+    """(batch, seq) slices covering a (batch, seq, vocab) tensor, each about `budget` elements: small enough for the
+    CPU's cache, or a GPU's scratch memory, where a whole batch's logits would not fit."""
+    batch, seq, vocab = shape
+    positions = max(1, min(seq, budget // vocab))
+    rows = max(1, budget // (positions * vocab))
+    for i in range(0, batch, rows):
+        for j in range(0, seq, positions):
+            yield slice(i, i + rows), slice(j, j + positions)
+
+
+class _LogProbs(torch.autograd.Function):
+    """log softmax(logits / temperature) at the tokens, chunk by chunk. Plain autograd writes a tensor the size of the
+    batch's logits at each step (divided, log-softmaxed, exponentiated for the entropy, and three times in the
+    backward), which with a 50k vocabulary is most of an update's time and memory; here the only one written is the
+    gradient. It keeps the logits (they exist anyway) and one log-normaliser per position."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, budget):
+        picked = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+        lse, entropy = torch.empty_like(picked), torch.empty_like(picked)
+        for b, t in _chunks(logits.shape, budget):
+            z = logits[b, t].float() / temperature
+            top = z.amax(-1, keepdim=True)
+            e = (z - top).exp_()
+            total = e.sum(-1)
+            lse[b, t] = top.squeeze(-1) + total.log()
+            entropy[b, t] = lse[b, t] - (e * z).sum(-1) / total  # H = log Z - E_p[z]
+            picked[b, t] = z.gather(-1, tokens[b, t, None]).squeeze(-1) - lse[b, t]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.budget = temperature, budget
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        logits, tokens, lse = ctx.saved_tensors
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        for b, t in _chunks(logits.shape, ctx.budget):
+            # d log p(token) / d logits = (onehot(token) - softmax) / temperature
+            g = grad[b, t, None] / ctx.temperature
+            d = (logits[b, t].float() / ctx.temperature - lse[b, t, None]).exp_().mul_(-g)
+            out[b, t] = d.scatter_add_(-1, tokens[b, t, None], g)
+        return out, None, None, None
+
+
+def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=False, budget=1 << 20):
+    """log p(token) per position under softmax(logits / temperature): logits (batch, seq, vocab), tokens (batch, seq)
+    -> (batch, seq), float32. with_entropy: also each position's entropy (batch, seq), without gradient. Computed in
+    chunks of about `budget` logits (see _LogProbs), with the same values and gradients as log_softmax."""
+    picked, entropy = _LogProbs.apply(logits, tokens, temperature, budget)
+    return (picked, entropy) if with_entropy else picked
 
 
 # ---------------------------------------------------------------------------------------------------------------------

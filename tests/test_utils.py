@@ -91,6 +91,33 @@ def test_logprobs_and_entropy_match_log_softmax():
     torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("budget", [1 << 20, 40, 7])  # one chunk; chunks of several rows; chunks of one position
+def test_chunked_logprobs_match_autograd_log_softmax(dtype, budget):
+    """Values, entropy and gradient of the chunked logprobs against plain autograd through log_softmax, with a
+    temperature, on a non-contiguous view (logits[:, :-1], as the scripts pass it), chunk edges falling mid-row."""
+    gen = torch.Generator().manual_seed(0)
+    full = (3 * torch.randn(5, 7, 13, generator=gen)).to(dtype)
+    tokens = torch.randint(0, 13, (5, 6), generator=gen)
+    weights = torch.randn(5, 6, generator=gen)  # a loss that weighs each position differently
+    results = []
+    for chunked in (True, False):
+        logits = full.clone().requires_grad_(True)
+        if chunked:
+            picked, entropy = utils.logprobs_from_logits(logits[:, :-1], tokens, 0.7, with_entropy=True, budget=budget)
+        else:
+            logp = torch.log_softmax(logits[:, :-1].float() / 0.7, -1)
+            picked, entropy = logp.gather(-1, tokens[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1).detach()
+        (picked * weights).sum().backward()
+        assert picked.dtype == torch.float32 and logits.grad.dtype == dtype
+        results.append((picked, entropy, logits.grad))
+    (picked, entropy, grad), (want, want_entropy, want_grad) = results
+    torch.testing.assert_close(picked, want)
+    torch.testing.assert_close(entropy, want_entropy)
+    torch.testing.assert_close(grad, want_grad)
+    assert not entropy.requires_grad and grad[:, -1].abs().max() == 0  # the dropped position gets no gradient
+
+
 def test_left_pad():
     ids, mask = utils.left_pad([[1, 2, 3], [4]], pad_token_id=0)
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4]]
