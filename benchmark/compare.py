@@ -58,18 +58,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("algo", choices=["rloo", "ppo"])
     parser.add_argument("--updates", type=int, default=20)
-    parser.add_argument("--out", default=None, help="default: benchmark/results/cpu_{algo}")
-    parser.add_argument("--world", default="benchmark/.world")
+    parser.add_argument("--vocab_size", type=int, default=4096, help="the world's vocabulary: 4096, or pythia's 50304")
+    parser.add_argument("--out", default=None, help="default: benchmark/results/cpu_{algo}, _vocab50304 appended")
+    parser.add_argument("--world", default=None, help="default: benchmark/.world, -50304 appended")
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    args.out = args.out or f"benchmark/results/cpu_{args.algo}"
+    suffix = "" if args.vocab_size == 4096 else f"_vocab{args.vocab_size}"
+    args.out = args.out or f"benchmark/results/cpu_{args.algo}{suffix}"
+    args.world = args.world or "benchmark/.world" + suffix.replace("_vocab", "-")
     os.makedirs(args.out, exist_ok=True)
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     # both sides on the CPU, also on a machine with a GPU: the peers run with use_cpu=True and the memory measured is
     # the processes' resident memory (a GPU mode is not written yet)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    world = os.path.abspath(build(args.world))
+    world = os.path.abspath(build(args.world, vocab_size=args.vocab_size))
     k, prompts, length = 4, 16, 53
     batch = str(k * prompts)  # completions per update
     episodes = args.updates * k * prompts
@@ -115,21 +118,24 @@ if __name__ == "__main__":
     peer_lengths = [r.get("length") for r in peer]  # TRL's PPOTrainer does not log it: counted at the full length
     peer_len = sum(peer_lengths) / len(peer) if None not in peer_lengths else float(length)
 
-    # model FLOPs per episode and token (prompt and response), one formula for both sides, N the parameters outside
-    # the embedding: RLOO 12N = generation 2N + the policy's and the reference's logprob passes 2 x 2N + the training
-    # pass 6N; PPO adds the critic's and the reward model's passes (2 x 2N) and the critic's training (6N): 22N.
-    # Attention's own FLOPs are left out.
+    # model FLOPs per episode, one formula for both sides: 2 per parameter and token forward, 6 forward and backward.
+    # The policy's transformer (B parameters outside the embeddings) runs over the prompt and the response, 12 times:
+    # generation 2 + the policy's and the reference's logprob passes 2 x 2 + the training pass 6; its LM head (H) is
+    # needed only where a response token is predicted, also 12 times. PPO adds the critic's and the reward model's
+    # passes (2 x 2) and the critic's training (6), 10 more times B: they have no LM head. Attention's own FLOPs are
+    # left out.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f"{world}/model"))
-    n = sum(p.numel() for name, p in net.named_parameters() if "embed_in" not in name)
+    head = net.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for p in net.parameters()) - net.get_input_embeddings().weight.numel() - head
     tokenizer = AutoTokenizer.from_pretrained(f"{world}/model")
     with open(f"{world}/prompts.jsonl") as f:
         prompt_lengths = [len(tokenizer(json.loads(line)["prompt"])["input_ids"]) for line in f]
     prompt_len = sum(prompt_lengths) / len(prompt_lengths)
 
     def side(eps, response_len, mem, wall):
-        flops = (12 if args.algo == "rloo" else 22) * n * (prompt_len + response_len)
+        flops = (12 if args.algo == "rloo" else 22) * body * (prompt_len + response_len) + 12 * head * response_len
         return {
             "episodes_per_s": eps,
             "generated_tokens_per_s": eps * response_len,

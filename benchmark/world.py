@@ -1,6 +1,7 @@
 """The offline world both sides of a benchmark share: a byte-level BPE tokenizer, a GPT-NeoX of pythia-14m's shape
 (random weights), prompts and a reward function, written to one folder in a few seconds."""
 
+import glob
 import json
 import os
 import sys
@@ -30,7 +31,14 @@ def build(folder, vocab_size=4096, num_prompts=512, seed=0):
     )
 
     os.makedirs(folder, exist_ok=True)
-    text = "\n".join(topics.values())  # Python's own documentation: English prose present in every Python
+    texts = ["\n".join(topics.values())]  # Python's own documentation: English prose present in every Python
+    if vocab_size > 8192:
+        # the documentation yields about 9,000 tokens; pythia's 50,304 take the standard library's sources too (32 MB)
+        lib = os.path.dirname(os.__file__)
+        for path in sorted(glob.glob(os.path.join(lib, "**", "*.py"), recursive=True)):
+            if "site-packages" not in path:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    texts.append(f.read())
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -39,7 +47,7 @@ def build(folder, vocab_size=4096, num_prompts=512, seed=0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=["<|endoftext|>", "<|pad|>"],
     )
-    tok.train_from_iterator([text], trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     special = dict(eos_token="<|endoftext|>", bos_token="<|endoftext|>", unk_token="<|endoftext|>", pad_token="<|pad|>")
     model_dir = os.path.join(folder, "model")
     PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(model_dir)
