@@ -1,14 +1,16 @@
 """Side by side in one invocation: our script against its peer on the same model, prompts, reward and settings.
 
-    python benchmark/compare.py rloo --updates 20 --out benchmark/results/cpu_rloo   # rloo.py vs TRL RLOOTrainer
-    python benchmark/compare.py ppo --updates 10 --out benchmark/results/cpu_ppo     # ppo.py vs TRL 0.21 PPOTrainer
+    python benchmark/compare.py rloo --updates 20     # rloo.py vs TRL RLOOTrainer -> benchmark/results/cpu_rloo
+    python benchmark/compare.py ppo --updates 20      # ppo.py vs TRL 0.21 PPOTrainer -> benchmark/results/cpu_ppo
+    python benchmark/compare.py rloo --updates 20 --vocab_size 50304    # pythia's vocabulary size -> cpu_rloo_vocab50304
 
 Both sides run as separate processes, one after the other, on the world of benchmark/world.py (a GPT-NeoX of
-pythia-14m's shape with random weights, a BPE tokenizer, 509 prompts): 53 response tokens, temperature 0.7, one epoch
-of one mini-batch, 64 completions per update (RLOO: 16 prompts x rloo_k 4). RLOO is rewarded by the share of vowels
-(a reward function); PPO by the world's random reward model, which TRL's PPOTrainer needs, with the critic starting
-from it on both sides. The PPO peer runs in benchmark/.venv-trl021 (setup_trl021.sh). The harness takes each
-process's peak resident memory from the kernel (os.wait4), reads both metric files, and writes OUT/results.json,
+pythia-14m's shape with random weights, a BPE tokenizer of 4,096 or 50,304 tokens, 509 prompts): 53 response
+tokens, temperature 0.7, one epoch of one mini-batch, 64 completions per update (RLOO: 16 prompts x rloo_k 4). RLOO
+is rewarded by the share of vowels (a reward function); PPO by the world's random reward model, which TRL's
+PPOTrainer needs, with the critic starting from it on both sides. The PPO peer runs in benchmark/.venv-trl021
+(setup_trl021.sh). The harness takes each process's peak resident memory from the kernel (os.wait4), reads both
+metric files, and writes OUT/results.json,
 OUT/results.md and OUT/curves.png (reward, KL and episodes/s against episodes)."""
 
 import argparse

@@ -1,5 +1,7 @@
 """The offline world both sides of a benchmark share: a byte-level BPE tokenizer, a GPT-NeoX of pythia-14m's shape
-(random weights), prompts and a reward function, written to one folder in a few seconds."""
+(random weights), prompts and a reward function, written to one folder in a few seconds.
+
+    python benchmark/world.py [FOLDER] [VOCAB_SIZE]     # default benchmark/.world, 4096"""
 
 import glob
 import json
@@ -90,4 +92,4 @@ def build(folder, vocab_size=4096, num_prompts=512, seed=0):
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else "benchmark/.world"))
+    print(build(sys.argv[1] if len(sys.argv) > 1 else "benchmark/.world", int(sys.argv[2]) if len(sys.argv) > 2 else 4096))
