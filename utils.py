@@ -476,10 +476,14 @@ class _LogProbs(torch.autograd.Function):
         return out, None, None, None
 
 
-def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=False, budget=1 << 20):
+def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=False, budget=None):
     """log p(token) per position under softmax(logits / temperature): logits (batch, seq, vocab), tokens (batch, seq)
     -> (batch, seq), float32. with_entropy: also each position's entropy (batch, seq), without gradient. Computed in
     chunks of about `budget` logits (see _LogProbs), with the same values and gradients as log_softmax."""
+    if budget is None:
+        # 4 MB of float32 fits a CPU's cache; on a GPU each chunk costs a dozen kernel launches, so chunks are larger
+        # (64 MB: a 150k vocabulary at 100 positions, with a few times that in scratch memory)
+        budget = 1 << 20 if logits.device.type == "cpu" else 1 << 24
     picked, entropy = _LogProbs.apply(logits, tokens, temperature, budget)
     return (picked, entropy) if with_entropy else picked
 
