@@ -454,11 +454,13 @@ class _LogProbs(torch.autograd.Function):
         for b, t in _chunks(logits.shape, budget):
             z = logits[b, t].float() / temperature
             top = z.amax(-1, keepdim=True)
-            e = (z - top).exp_()
+            z -= top  # shifted so that exp cannot overflow, and the entropy's two terms stay small
+            e = z.exp()
             total = e.sum(-1)
-            lse[b, t] = top.squeeze(-1) + total.log()
-            entropy[b, t] = lse[b, t] - (e * z).sum(-1) / total  # H = log Z - E_p[z]
-            picked[b, t] = z.gather(-1, tokens[b, t, None]).squeeze(-1) - lse[b, t]
+            log_total = total.log()
+            lse[b, t] = top.squeeze(-1) + log_total
+            entropy[b, t] = log_total - (e * z).sum(-1) / total  # H = log Z - E_p[z]
+            picked[b, t] = z.gather(-1, tokens[b, t, None]).squeeze(-1) - log_total
         ctx.save_for_backward(logits, tokens, lse)
         ctx.temperature, ctx.budget = temperature, budget
         ctx.mark_non_differentiable(entropy)
