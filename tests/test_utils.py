@@ -114,6 +114,7 @@ def test_chunked_logprobs_match_autograd_log_softmax(dtype, budget):
         results.append((picked, entropy, logits.grad))
     (picked, entropy, grad), (want, want_entropy, want_grad) = results
     torch.testing.assert_close(picked, want)
+    torch.testing.assert_close(utils.logprobs_from_logits(full[:, :-1], tokens, 0.7, budget=budget), want)  # no entropy
     torch.testing.assert_close(entropy, want_entropy)
     torch.testing.assert_close(grad, want_grad)
     assert not entropy.requires_grad and grad[:, -1].abs().max() == 0  # the dropped position gets no gradient
