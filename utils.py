@@ -342,12 +342,11 @@ def forward(model, input_ids, attention_mask, **kwargs):
 
 def forward_prompts(model, queries, query_mask, group):
     """forward() of left-padded prompts with a KV cache, for rows that come in groups of `group` copies of one prompt
-    (see forward_grouped): each prompt runs once, and the last position's logits (rows, 1, vocab) and the cache are
-    repeated to every row."""
+    (see forward_grouped): each prompt runs once and the cache is repeated to every row. The logits are the last
+    position's, one row per prompt: (prompts, 1, vocab)."""
     out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
     if group > 1:
         out.past_key_values.batch_repeat_interleave(group)  # (prompts, ...) -> (prompts * group, ...), differentiable
-        out.logits = out.logits.repeat_interleave(group, 0)
     return out
 
 
@@ -398,6 +397,7 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
         uniforms = torch.rand(len(queries), response_length)
     uniforms = uniforms.to(queries.device)
     out = forward_prompts(model, queries, query_mask, group)
+    out.logits = out.logits.repeat_interleave(group, 0)  # (prompts, 1, vocab) -> (rows, 1, vocab)
     mask = query_mask
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -1:]
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
