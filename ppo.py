@@ -62,6 +62,7 @@ from utils import (
     masked_mean,
     masked_whiten,
     prepare_frozen,
+    process_group_kwargs,
     reference_model,
     rng_state,
     same_vocabulary,
@@ -280,7 +281,9 @@ class PolicyAndValue(nn.Module):
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else None
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision="bf16" if args.bf16 else None,
+        kwargs_handlers=process_group_kwargs(),
     )
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
@@ -472,7 +475,14 @@ if __name__ == "__main__":
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
                 uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
                 response = generate(
-                    unwrapped.policy, query, qmask, args.response_length, args.temperature, stop_token_id, uniform
+                    unwrapped.policy,
+                    query,
+                    qmask,
+                    args.response_length,
+                    args.temperature,
+                    stop_token_id,
+                    uniform,
+                    synced=zero3(accelerator),
                 )
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)

@@ -54,6 +54,7 @@ from utils import (
     load_tokenizer,
     logprobs_from_logits,
     prepare_frozen,
+    process_group_kwargs,
     reference_model,
     rng_state,
     same_vocabulary,
@@ -195,7 +196,9 @@ def rloo_advantages(rlhf_reward, k):
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision="bf16" if args.bf16 else None
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision="bf16" if args.bf16 else None,
+        kwargs_handlers=process_group_kwargs(),
     )
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
@@ -372,7 +375,15 @@ if __name__ == "__main__":
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
                 uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
                 response = generate(
-                    unwrapped, query, qmask, args.response_length, args.temperature, stop_token_id, uniform, rollout_group
+                    unwrapped,
+                    query,
+                    qmask,
+                    args.response_length,
+                    args.temperature,
+                    stop_token_id,
+                    uniform,
+                    group=rollout_group,
+                    synced=zero3(accelerator),
                 )
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)

@@ -95,6 +95,18 @@ def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_a
         ds_config["gradient_clipping"] = max_grad_norm
 
 
+def process_group_kwargs():
+    """Accelerator's kwargs_handlers. Processes launched with a DeepSpeed config on a machine without a GPU get no
+    process-group backend from accelerate, which then counts one process where DeepSpeed counts them all: DeepSpeed's
+    batch-size check fails at startup, and every process would take the first slice of the data. gloo, the CPU's
+    backend, makes both count the same (on GPUs accelerate picks NCCL itself)."""
+    if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return [InitProcessGroupKwargs(backend="gloo")]
+    return []
+
+
 def zero3(accelerator):
     """True under DeepSpeed ZeRO stage 3 (weights sharded over the processes)."""
     plugin = accelerator.state.deepspeed_plugin
@@ -387,12 +399,16 @@ def sample_tokens(logits, temperature, uniforms):
 
 
 @torch.no_grad()
-def generate(model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, group=1):
+def generate(
+    model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, group=1, synced=False
+):
     """Sample up to response_length tokens per row from softmax(logits / temperature), no top-k / top-p, with a KV
     cache (temperature 0: greedy); stops early once every row has produced stop_token_id. uniforms
     (batch, response_length) are the random numbers that pick each row's tokens (see sample_tokens); None draws them
     from torch's global generator. group: rows come in groups of this many copies of one query (as in
-    forward_grouped), whose prompt is then run once. Returns responses (batch, <= response_length)."""
+    forward_grouped), whose prompt is then run once. synced (under ZeRO-3, where every forward pass gathers each
+    layer's weights from all processes): stop only once every process's rows have stopped, so that no process waits
+    forever for one that has left the loop. Returns responses (batch, <= response_length)."""
     if uniforms is None:
         uniforms = torch.rand(len(queries), response_length)
     uniforms = uniforms.to(queries.device)
@@ -407,7 +423,14 @@ def generate(model, queries, query_mask, response_length, temperature, stop_toke
         tokens.append(token)
         if stop_token_id is not None:
             done |= token[:, 0] == stop_token_id
-        if t == response_length - 1 or done.all():
+        if t == response_length - 1:
+            break
+        if synced:
+            pending = (~done).any().float()  # rows still running here; summed over the processes
+            torch.distributed.all_reduce(pending)
+            if pending.item() == 0:
+                break
+        elif done.all():
             break
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
         positions = positions + 1
@@ -716,14 +739,19 @@ def evaluate(
     every world_size-th prompt. Returns (metrics, samples) on the main process, (None, None) on the others."""
     queries, texts, references = eval_set
     device = accelerator.device
+    synced = zero3(accelerator)
     mine = list(range(accelerator.process_index, len(queries), accelerator.num_processes))
+    real = len(mine)
+    # every process runs as many batches as the others (under ZeRO-3 each forward pass needs all of them): one with a
+    # prompt fewer repeats one and drops its copy's sample
+    mine += [mine[-1] if mine else 0] * (-(-len(queries) // accelerator.num_processes) - len(mine))
     samples = []
     with accelerator.autocast():  # the precision the policy trains in
         for start in range(0, len(mine), batch_size):
             idx = mine[start : start + batch_size]
             query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
             query, query_mask = query.to(device), query_mask.to(device)
-            response = generate(policy, query, query_mask, response_length, 0.0, stop_token_id)
+            response = generate(policy, query, query_mask, response_length, 0.0, stop_token_id, synced=synced)
             response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
             rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
             query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
@@ -732,7 +760,7 @@ def evaluate(
             )
             stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
             completions = tokenizer.batch_decode(response, skip_special_tokens=True)
-            for j, i in enumerate(idx):
+            for j, i in enumerate(idx[: max(0, real - start)]):
                 samples.append(
                     {
                         "index": i,
