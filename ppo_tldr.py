@@ -14,6 +14,7 @@ On one GPU (same global batch, 8x the gradient accumulation):
     python ppo_tldr.py --gradient_accumulation_steps 32
 """
 
+import contextlib
 import copy
 import json
 import math
@@ -30,12 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from rich.console import Console
 from rich.pretty import pprint
 from rich.table import Table
 from safetensors.torch import save_file
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -43,6 +42,7 @@ from utils import (
     INVALID_LOGPROB,
     check_accelerate_config,
     check_judge,
+    check_resume_args,
     die,
     disable_dropout,
     evaluate,
@@ -59,11 +59,11 @@ from utils import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
+    open_logs,
     prepare_frozen,
     process_group_kwargs,
     record_eval,
     reference_model,
-    rng_state,
     same_vocabulary,
     save_checkpoint,
     scalar_forward,
@@ -278,17 +278,31 @@ def adaptive_kl_coef(kl_coef, kl, kl_target, kl_horizon, n_steps):
     return kl_coef * (1.0 + error * n_steps / kl_horizon)
 
 
+def init_value_head(head, seed):
+    """A new value head (nn.Linear to 1): weights N(0, 1 / (hidden + 1)) as in the N+ details study, zero bias. Drawn
+    from a generator of its own seeded with --seed, so that every process, and every way of loading the critic,
+    starts from the same head (DeepSpeed's ZeRO-3 would otherwise shard each process's own random head)."""
+    gathered = contextlib.nullcontext()
+    if hasattr(head.weight, "ds_id"):  # loaded under ZeRO-3, sharded as it loaded: gathered whole to be written
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0)
+    with gathered, torch.no_grad():
+        head.weight.normal_(0.0, 1 / math.sqrt(head.in_features + 1), generator=torch.Generator().manual_seed(seed))
+        if head.bias is not None:
+            head.bias.zero_()
+    return head
+
+
 class PolicyAndValue(nn.Module):
     """The policy and the critic in one module, so that one optimiser and one DDP wrapper hold both; a forward pass
     returns the policy's logits for the response and the critic's value of every position."""
 
-    def __init__(self, policy, critic=None):
+    def __init__(self, policy, critic=None, seed=0):
         super().__init__()
         self.policy, self.critic = policy, critic
         if critic is None:  # a value head on the policy's trunk
-            self.value_head = nn.Linear(policy.config.hidden_size, 1)
-            nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(policy.config.hidden_size + 1))
-            nn.init.zeros_(self.value_head.bias)
+            self.value_head = init_value_head(nn.Linear(policy.config.hidden_size, 1), seed)
 
     def forward(self, input_ids, attention_mask, logits_to_keep):
         shared = self.critic is None
@@ -310,8 +324,8 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
-    if zero3(accelerator) and (args.checkpoint_every or args.use_peft):
-        die("--checkpoint_every and --use_peft do not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -336,6 +350,7 @@ if __name__ == "__main__":
         die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+    check_resume_args(args)
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
     if args.use_peft:
@@ -408,18 +423,23 @@ if __name__ == "__main__":
             critic = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
         else:
             critic = copy.deepcopy(reward_model).requires_grad_(True)
-    elif not args.value_head_shared and zero3(accelerator):
-        critic = load_pretrained(AutoModelForSequenceClassification, args.sft_model_path, args.trust_remote_code, num_labels=1)
     elif not args.value_head_shared:
-        config = copy.deepcopy(policy.config)
-        config.num_labels = 1
-        critic = AutoModelForSequenceClassification.from_config(config)
-        getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+        # the policy's trunk with a new head (loaded anew under ZeRO-3, as the reference)
+        if zero3(accelerator):
+            critic = load_pretrained(
+                AutoModelForSequenceClassification, args.sft_model_path, args.trust_remote_code, num_labels=1
+            )
+        else:
+            config = copy.deepcopy(policy.config)
+            config.num_labels = 1
+            critic = AutoModelForSequenceClassification.from_config(config)
+            getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+        init_value_head(critic.score, args.seed)
     if critic is not None and critic.config.num_labels != 1:
         die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     if args.use_peft:  # after the critic took a copy of the trunk
         policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
-    model = PolicyAndValue(policy, critic).eval()  # no dropout: the sampling policy and the trained one must agree
+    model = PolicyAndValue(policy, critic, args.seed).eval()  # no dropout: the sampling policy and the trained one must agree
     if args.gradient_checkpointing:
         # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
         disable_dropout(model)
@@ -427,23 +447,9 @@ if __name__ == "__main__":
             if module is not None:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    # tracking
     if accelerator.is_main_process:
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=run_name,
-                save_code=True,
-            )
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the critic
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -461,8 +467,7 @@ if __name__ == "__main__":
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
-        state = load_checkpoint(last_checkpoint, {"model": accelerator.unwrap_model(model)})
-        optimizer.load_state_dict(state["optimizer"])
+        state = load_checkpoint(accelerator, last_checkpoint, model, optimizer)
         set_rng_state(state["rng"][accelerator.process_index])
         data_rng.set_state(state["data_rng"])
         order, cursor = state["order"], state["cursor"]
@@ -472,6 +477,8 @@ if __name__ == "__main__":
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
             write_eval_json(args.output_dir)
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    # logs open after the resume, so that a resumed run continues its own
+    writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
     eval_args = (tokenizer, reward_model, rm_tokenizer, eval_set, args.response_length, stop_token_id, args.eval_batch_size)
     if not args.resume:  # the SFT policy's evaluation, the baseline of the curves
         eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(model).policy, *eval_args, judge, args.seed)
@@ -697,27 +704,21 @@ if __name__ == "__main__":
 
         # checkpoint after the metrics rows, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:
-            rngs = gather_object([rng_state()])  # each process's random state
             last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
-            if accelerator.is_main_process:
-                state = {
-                    "update": update,
-                    "episode": episode,
-                    "kl_coef": kl_coef,
-                    "optimizer": optimizer.state_dict(),
-                    "rng": rngs,
-                    "data_rng": data_rng.get_state(),
-                    "order": order,
-                    "cursor": cursor,
-                }
-                modules = {"model": accelerator.unwrap_model(model)}
-                save_checkpoint(last_checkpoint, modules, state, args.keep_checkpoints)
-            accelerator.wait_for_everyone()
+            state = {
+                "update": update,
+                "episode": episode,
+                "kl_coef": kl_coef,
+                "data_rng": data_rng.get_state(),
+                "order": order,
+                "cursor": cursor,
+            }
+            save_checkpoint(accelerator, last_checkpoint, model, optimizer, state, args.keep_checkpoints)
 
     if args.save_model:
         accelerator.wait_for_everyone()
         unwrapped = accelerator.unwrap_model(model)
-        state_dict = accelerator.get_state_dict(model)
+        state_dict = accelerator.get_state_dict(model) or {}  # under ZeRO-3 gathered on the main process only
         if args.use_peft:  # the adapters alone (peft's PeftModel.from_pretrained(base, output_dir)), or merged
             policy_out = unwrapped.policy.merge_and_unload() if args.merge_lora else unwrapped.policy
             policy_out.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)

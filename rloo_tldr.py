@@ -27,11 +27,9 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from rich.console import Console
 from rich.pretty import pprint
 from rich.table import Table
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -39,6 +37,7 @@ from utils import (
     INVALID_LOGPROB,
     check_accelerate_config,
     check_judge,
+    check_resume_args,
     die,
     disable_dropout,
     evaluate,
@@ -53,11 +52,11 @@ from utils import (
     load_prompts,
     load_tokenizer,
     logprobs_from_logits,
+    open_logs,
     prepare_frozen,
     process_group_kwargs,
     record_eval,
     reference_model,
-    rng_state,
     same_vocabulary,
     save_checkpoint,
     set_rng_state,
@@ -226,8 +225,8 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
-    if zero3(accelerator) and (args.checkpoint_every or args.use_peft):
-        die("--checkpoint_every and --use_peft do not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -256,6 +255,7 @@ if __name__ == "__main__":
         die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+    check_resume_args(args)
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
     if args.use_peft:
@@ -326,23 +326,9 @@ if __name__ == "__main__":
         disable_dropout(policy)
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    # tracking
     if accelerator.is_main_process:
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-        if args.track:
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=run_name,
-                save_code=True,
-            )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
@@ -363,8 +349,7 @@ if __name__ == "__main__":
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
-        state = load_checkpoint(last_checkpoint, {"policy": accelerator.unwrap_model(policy)})
-        optimizer.load_state_dict(state["optimizer"])
+        state = load_checkpoint(accelerator, last_checkpoint, policy, optimizer)
         set_rng_state(state["rng"][accelerator.process_index])
         data_rng.set_state(state["data_rng"])
         order, cursor = state["order"], state["cursor"]
@@ -373,6 +358,8 @@ if __name__ == "__main__":
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
             write_eval_json(args.output_dir)
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    # logs open after the resume, so that a resumed run continues its own
+    writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
     eval_args = (tokenizer, reward_model, rm_tokenizer, eval_set, args.response_length, stop_token_id, args.eval_batch_size)
     if not args.resume:  # the SFT policy's evaluation, the baseline of the curves
         eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(policy), *eval_args, judge, args.seed)
@@ -583,21 +570,15 @@ if __name__ == "__main__":
 
         # checkpoint after the metrics rows, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:
-            rngs = gather_object([rng_state()])  # each process's random state
             last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
-            if accelerator.is_main_process:
-                state = {
-                    "update": update,
-                    "episode": episode,
-                    "optimizer": optimizer.state_dict(),
-                    "rng": rngs,
-                    "data_rng": data_rng.get_state(),
-                    "order": order,
-                    "cursor": cursor,
-                }
-                modules = {"policy": accelerator.unwrap_model(policy)}
-                save_checkpoint(last_checkpoint, modules, state, args.keep_checkpoints)
-            accelerator.wait_for_everyone()
+            state = {
+                "update": update,
+                "episode": episode,
+                "data_rng": data_rng.get_state(),
+                "order": order,
+                "cursor": cursor,
+            }
+            save_checkpoint(accelerator, last_checkpoint, policy, optimizer, state, args.keep_checkpoints)
 
     if args.save_model:
         accelerator.wait_for_everyone()

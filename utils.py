@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shutil
 import time
 import urllib.error
@@ -581,23 +582,35 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(final, modules, state, keep):
-    """Write the checkpoint folder `final` (output_dir/checkpoint-NNNNNNN): each module's weights as safetensors, the
-    rest (optimiser, RNG, data position, counters) in state.pt. Written to a temporary folder and renamed, so a
+def save_checkpoint(accelerator, final, model, optimizer, state, keep):
+    """Write the checkpoint folder `final` (output_dir/checkpoint-NNNNNNN); every process calls it. The model (as
+    prepared) and the optimiser: model.safetensors and the optimiser in state.pt, or under DeepSpeed the engine's own
+    checkpoint in final/deepspeed, each process writing its shard of the ZeRO state. state.pt also holds `state`
+    (data position, counters) and every process's random state. Written to a temporary folder and renamed, so a
     checkpoint is complete or absent; only the newest `keep` in its folder are kept. Refuses non-finite weights."""
-    for name, module in modules.items():
-        if not all(torch.isfinite(p).all() for p in module.parameters()):
-            die(f"non-finite weights in the {name}; {os.path.basename(final)} not written")
+    # each process checks the weights it holds (under ZeRO-3 its shard)
+    finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters())
+    if accelerator.reduce(torch.tensor(float(finite), device=accelerator.device), reduction="sum") < accelerator.num_processes:
+        die(f"non-finite weights; {os.path.basename(final)} not written")
+    state = {**state, "rng": gather_object([rng_state()])}
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, module in modules.items():
-        save_model(module, os.path.join(tmp, f"{name}.safetensors"))  # stores tied weights once
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in list_checkpoints(os.path.dirname(final))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.state.deepspeed_plugin is not None:
+        model.save_checkpoint(tmp, tag="deepspeed", save_latest=False)
+    elif accelerator.is_main_process:
+        save_model(accelerator.unwrap_model(model), os.path.join(tmp, "model.safetensors"))  # stores tied weights once
+        state["optimizer"] = optimizer.state_dict()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(os.path.dirname(final))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def list_checkpoints(output_dir):
@@ -608,11 +621,76 @@ def list_checkpoints(output_dir):
     return [os.path.join(output_dir, n) for n in names]
 
 
-def load_checkpoint(path, modules):
-    """Load a checkpoint written by save_checkpoint into `modules`; returns its state dict."""
-    for name, module in modules.items():
-        load_model(module, os.path.join(path, f"{name}.safetensors"))
-    return torch.load(os.path.join(path, "state.pt"), weights_only=True)
+def load_checkpoint(accelerator, path, model, optimizer):
+    """Load the model and optimiser of a checkpoint written by save_checkpoint; returns its state (state.pt, read
+    without unpickling code; DeepSpeed's engine reads its own shards)."""
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+    if accelerator.state.deepspeed_plugin is not None:
+        model.load_checkpoint(path, tag="deepspeed", load_module_strict=True, load_lr_scheduler_states=False)
+    else:
+        load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))
+        optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+# flags a resumed run may change: they do not change what the run computes
+RESUMABLE = {
+    "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
+    "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
+    "gradient_checkpointing", "eval_batch_size", "judge_base_url", "judge_model", "judge_api_key_env", "judge_timeout",
+    "judge_retries", "judge_workers",
+}  # fmt: skip
+
+
+def check_resume_args(args):
+    """--resume continues the run in args.output_dir: stop with one line if an argument that changes the run (batch
+    sizes and the process count, k, learning rate, total episodes, seed, model, dataset, ...) differs from the one the
+    run started with (output_dir/args.json, written by open_logs)."""
+    path = os.path.join(args.output_dir, "args.json")
+    if not args.resume or not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    now = json.loads(json.dumps(vars(args)))  # as JSON has it: tuples as lists
+    changed = [k for k in now if k not in RESUMABLE and k in saved and saved[k] != now[k]]
+    if changed:
+        die("--resume with arguments that change the run: " + ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed))
+
+
+def open_logs(args, run_name, episode):
+    """TensorBoard under output_dir/runs (with the arguments as a table), and with --track Weights and Biases synced
+    from it; a new run also writes its arguments to output_dir/args.json. A resumed run (at `episode`, its
+    checkpoint's) continues both: TensorBoard drops what the killed run logged past the checkpoint, and wandb resumes
+    the run whose id was stored in output_dir/wandb_id. Main process only; returns the SummaryWriter."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not args.resume:
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1)
+    if args.track:
+        import wandb
+
+        id_file = os.path.join(args.output_dir, "wandb_id")
+        # (secrets, not random: the run's random streams stay as seeded)
+        run_id = open(id_file).read().strip() if args.resume and os.path.exists(id_file) else secrets.token_hex(8)
+        with open(id_file, "w") as f:
+            f.write(run_id)
+        # before the SummaryWriter, which wandb patches to sync what it writes
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=vars(args),
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            save_code=True,
+        )
+    writer = SummaryWriter(os.path.join(args.output_dir, "runs"), purge_step=episode + 1 if args.resume else None)
+    if not args.resume:
+        table = "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        writer.add_text("hyperparameters", table)
+    return writer
 
 
 def truncate_metrics(path, episode):

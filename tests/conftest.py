@@ -168,3 +168,23 @@ def tldr_dir(tmp_path_factory):
     datasets.Dataset.from_list(rows[:56]).to_parquet(str(path / "train.parquet"))
     datasets.Dataset.from_list(rows[56:]).to_parquet(str(path / "validation.parquet"))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny policy made to produce its EOS token about a third of the time (a constant direction added to the final
+    hidden state, read by the EOS row of the output layer): rows and processes stop at different steps."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        norm = model.gpt_neox.final_layer_norm
+        direction = torch.ones_like(norm.bias) / norm.bias.numel() ** 0.5
+        norm.weight.mul_(0.1)
+        norm.bias.copy_(direction)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] = 5.5 * direction
+    path = str(tmp_path_factory.mktemp("eos_model"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,17 +1,23 @@
 """Two processes on a CPU through accelerate: data sharded, metrics reduced and written once, episodes counted over
 both, the model saved once."""
 
+import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from test_rloo import VOWELS, check_ok, read_metrics
 
 
-def launch(processes, script, args, cwd, config=None):
-    """accelerate's own launcher (torchrun underneath); with processes > 1 and no config, the processes use the CPU."""
+def launch(processes, script, args, cwd, config=None, wait=True):
+    """accelerate's own launcher (torchrun underneath); with no config, the processes use the CPU (ACCELERATE_USE_CPU,
+    as the README's two-process command). wait=False returns the Popen, in a session of its own so that a test can
+    kill the launcher and its processes together."""
     from conftest import REPO
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -22,23 +28,193 @@ def launch(processes, script, args, cwd, config=None):
         cmd += ["--multi_gpu"] if processes > 1 else []
     cmd += [os.path.join(REPO, script), *shlex.split(args)]
     env = {**os.environ} if config else {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    if not wait:
+        out = subprocess.DEVNULL
+        return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=cwd, env=env, start_new_session=True)
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
-def test_two_processes(script, tmp_path, tiny_model_dir, tiny_prompts_file):
-    out = tmp_path / "out"
-    args = (
-        f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --output_dir {out} --total_episodes 64"
-        " --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --response_length 8 --num_sample_generations 0"
+def shipped_config(name, processes, folder):
+    """configs/{name}.yaml as shipped, with num_processes set as a user would set it to their GPU count; None (the
+    CPU launcher above) for plain data parallelism, whose shipped config is for GPUs."""
+    from conftest import REPO
+
+    if name == "plain":
+        return None
+    with open(os.path.join(REPO, "configs", f"deepspeed_{name}.yaml")) as f:
+        text = f.read()
+    assert "num_processes: 8" in text
+    path = folder / f"{name}.yaml"
+    path.write_text(text.replace("num_processes: 8", f"num_processes: {processes}"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir):
+    """The arguments of small runs of rloo.py, ppo.py and rloo_tldr.py: 16 completions per update, split over
+    gradient accumulation and processes by the caller; one mini-batch, so that the split does not change the steps.
+    The policy stops at its EOS token at different steps, so processes finish generating at different steps too."""
+    folder = tmp_path_factory.mktemp("runs")
+    (folder / "reward.py").write_text(VOWELS)
+    common = (
+        " --per_device_train_batch_size 4 --response_length 8 --temperature 1.0 --learning_rate 1e-3"
+        " --num_sample_generations 0"
     )
-    proc = launch(2, script, args, tmp_path)
+    return {
+        "rloo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4"
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common,
+        # PPO's per-token means depend on how tokens fall into micro-batches unless every completion is as long
+        "ppo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --stop_token None"
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common,
+        # 9 evaluation prompts: the processes get 5 and 4, in 2 and 1 batches of 4
+        "rloo_tldr.py": f"--sft_model_path {eos_model_dir} --reward_model_path {tiny_reward_model_dir}"
+        f" --dataset_name {tldr_dir} --max_prompt_length 200 --total_episodes 32 --local_rollout_forward_batch_size 8"
+        " --num_mini_batches 1 --eval_examples 9 --eval_batch_size 4" + common,
+    }
+
+
+@pytest.fixture(scope="session")
+def one_process(runs, tmp_path_factory):
+    """The one-process run of each script, with the global batch of two processes x 2 micro-batches (run once)."""
+    done = {}
+
+    def get(script):
+        if script not in done:
+            out = tmp_path_factory.mktemp("one") / "out"
+            check_ok(launch(1, script, f"{runs[script]} --gradient_accumulation_steps 4 --output_dir {out}", out.parent))
+            done[script] = out
+        return done[script]
+
+    return get
+
+
+# metrics that do not depend on how the batch is split into micro-batches and processes
+SAME = {
+    "rloo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg val/num_eos_tokens"
+    " val/response_length",
+    "ppo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward val/vpred loss/value_avg",
+    "rloo_tldr.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg"
+    " val/num_eos_tokens val/response_length eval/scores eval/response_length eval/stopped_fraction",
+}
+
+
+def assert_same_run(one, two, script):
+    """Two runs' metrics rows agree on what does not depend on the split (up to float rounding), and they
+    saved the same model."""
+    from safetensors.torch import load_file
+
+    rows_one, rows_two = read_metrics(one), read_metrics(two)
+    assert [r["episode"] for r in rows_one] == [r["episode"] for r in rows_two]
+    for a, b in zip(rows_one, rows_two):
+        assert a.keys() == b.keys()
+        for key in SAME[script].split():
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a["episode"])
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", ["plain", "zero2", "zero3"])
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "rloo_tldr.py"])
+def test_two_processes_match_one(script, config, tmp_path, runs, one_process):
+    """Two processes x 2 micro-batches against one process x 4, under each shipped way to run several processes
+    (plain data parallelism, ZeRO-2, ZeRO-3): the same completions each update (the sampling noise is drawn for the
+    global batch), the same averaged gradient, so the same metrics at every later update and the same saved model.
+    Under ZeRO-3 every forward pass gathers weights from both processes: the test also shows that neither waits
+    forever for the other."""
+    two = tmp_path / "two"
+    config_path = shipped_config(config, 2, tmp_path)
+    proc = launch(2, script, f"{runs[script]} --gradient_accumulation_steps 2 --output_dir {two}", tmp_path, config_path)
     check_ok(proc)
     assert "world_size=2" in proc.stdout
-    rows = read_metrics(out)
-    # 64 episodes in updates of 2 processes x 4 x 2 completions, each row written once
-    assert [r["episode"] for r in rows] == [16, 32, 48, 64]
-    assert os.path.exists(out / "model.safetensors")
+    assert f"distributed_type='{'MULTI_CPU' if config == 'plain' else 'DEEPSPEED'}'" in proc.stdout
+    one = one_process(script)
+    assert_same_run(one, two, script)
+    train = [r for r in read_metrics(one) if "objective/scores" in r]
+    assert len(train) >= 2 and train[0]["objective/scores"] != train[-1]["objective/scores"]  # later rollouts moved
+    if script == "rloo.py":  # completions stop at different steps
+        assert 0 < train[0]["val/num_eos_tokens"] < 16
+
+
+def test_zero3_generation_waits_for_every_process(tmp_path, runs, one_process):
+    """ZeRO-3 with every layer's weights gathered anew at each forward pass, as for a model too large for DeepSpeed to
+    keep them (stage3_max_reuse_distance 0): a process whose completions have all stopped must keep stepping until
+    the other's have, or the two processes' gathers no longer pair up."""
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_max_live_parameters": 0,
+                    "stage3_max_reuse_distance": 0,
+                    "stage3_prefetch_bucket_size": 0,
+                    "stage3_param_persistence_threshold": 0,
+                    "stage3_gather_16bit_weights_on_model_save": True,
+                },
+            }
+        )
+    )
+    (tmp_path / "ds.yaml").write_text(
+        f"compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n"
+        "  zero3_init_flag: false\ndistributed_type: DEEPSPEED\nmachine_rank: 0\nnum_machines: 1\nnum_processes: 2\n"
+        "rdzv_backend: static\nsame_network: true\nuse_cpu: false\n"
+    )
+    two = tmp_path / "two"
+    check_ok(
+        launch(
+            2,
+            "rloo.py",
+            f"{runs['rloo.py']} --gradient_accumulation_steps 2 --output_dir {two}",
+            tmp_path,
+            tmp_path / "ds.yaml",
+        )
+    )
+    assert_same_run(one_process("rloo.py"), two, "rloo.py")
+
+
+def without_eps(rows):
+    return [{k: v for k, v in r.items() if k != "eps"} for r in rows]
+
+
+@pytest.mark.parametrize(
+    "script, config",
+    [("rloo.py", "plain"), ("rloo.py", "zero2"), ("ppo.py", "zero2"), ("rloo.py", "zero3"), ("ppo.py", "zero3")],
+)
+def test_kill_then_resume_under_two_processes(script, config, tmp_path, runs):
+    """kill -9 of the launcher and both processes while they train (possibly mid-checkpoint), then --resume: the
+    metrics curve of the uninterrupted run. Under DeepSpeed each process writes and reads its own shard of the ZeRO
+    state (optimiser, and under ZeRO-3 the weights)."""
+    args = f"{runs[script]} --gradient_accumulation_steps 2 --checkpoint_every 1".replace(
+        "--total_episodes 48", "--total_episodes 128"
+    )
+    config_path = shipped_config(config, 2, tmp_path)
+    check_ok(launch(2, script, f"{args} --output_dir {tmp_path / 'full'}", tmp_path, config_path))
+    expected = read_metrics(tmp_path / "full")
+    assert len(expected) == 8
+
+    cut = tmp_path / "cut"
+    proc = launch(2, script, f"{args} --output_dir {cut}", tmp_path, config_path, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(cut / "metrics.jsonl") and len(open(cut / "metrics.jsonl").read().splitlines()) >= 3:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 3 <= len(open(cut / "metrics.jsonl").read().splitlines()) < 8
+
+    check_ok(launch(2, script, f"{args} --output_dir {cut} --resume", tmp_path, config_path))
+    resumed = read_metrics(cut)
+    assert [r["episode"] for r in resumed] == [16 * i for i in range(1, 9)]
+    assert without_eps(resumed) == without_eps(expected)
+    shards = os.listdir(cut / "checkpoint-0000008" / "deepspeed") if config != "plain" else []
+    assert len([n for n in shards if "optim_states" in n]) == (0 if config == "plain" else 2)  # one per process
 
 
 @pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "deepspeed_zero2", "deepspeed_zero3"])
@@ -59,84 +235,6 @@ def test_accumulation_set_by_an_accelerate_config_is_refused(run, tmp_path, tiny
     proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file}", tmp_path)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: the accelerate config sets gradient_accumulation_steps=4")
-
-
-@pytest.mark.parametrize(
-    "stage, script", [("zero2", "rloo.py"), ("zero2", "ppo_tldr.py"), ("zero3", "rloo_tldr.py"), ("zero3", "ppo_tldr.py")]
-)
-def test_deepspeed_matches_a_plain_run(
-    stage, script, run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir
-):
-    """configs/deepspeed_zero{2,3}.yaml with one CPU process: DeepSpeed's engine and ZeRO optimiser take the same steps
-    as plain PyTorch (fp32 throughout), so the metrics and the saved model agree. Under ZeRO-3 the weights are sharded
-    from the moment they load, and the reference and reward models are inference engines."""
-    import torch
-    from conftest import REPO
-    from safetensors.torch import load_file
-    from test_tldr import small
-
-    if script == "rloo.py":
-        args = (
-            f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --total_episodes 48 --rloo_k 4"
-            " --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --num_mini_batches 2 --response_length 8"
-            " --num_sample_generations 0 --learning_rate 1e-3"
-        )
-    else:
-        args = small(script, tldr_dir, tiny_model_dir, tiny_reward_model_dir, "unused").split(" --output_dir")[0]
-        args = args.split(" ", 1)[1] + " --learning_rate 1e-3"
-    config = tmp_path / f"{stage}.yaml"
-    with open(os.path.join(REPO, "configs", f"deepspeed_{stage}.yaml")) as f:
-        config.write_text(f.read().replace("num_processes: 8", "num_processes: 1"))
-    proc = run(f"{script} {args} --output_dir {tmp_path / 'plain'}", tmp_path)
-    check_ok(proc)
-    assert "distributed_type='NO'" in proc.stdout
-    proc = launch(1, script, f"{args} --output_dir {tmp_path / 'ds'}", tmp_path, config=config)
-    check_ok(proc)
-    assert "distributed_type='DEEPSPEED'" in proc.stdout
-
-    plain, ds = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "ds")
-    assert len(plain) == len(ds) >= 3
-    for a, b in zip(plain, ds):
-        assert a.keys() == b.keys()
-        for k in a:
-            if "clipfrac" in k:  # counts of values past a threshold: a rounding difference can move one of them
-                assert b[k] == pytest.approx(a[k], abs=0.02), k
-            elif k != "eps":
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
-    a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "ds" / "model.safetensors")
-    assert a.keys() == b.keys()
-    assert any(not torch.equal(a[k], load_file(os.path.join(tiny_model_dir, "model.safetensors"))[k]) for k in a)  # trained
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
-
-
-# metrics that do not depend on how the batch is split into micro-batches and processes
-SAME = {
-    "rloo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg val/num_eos_tokens",
-    "ppo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward val/vpred loss/value_avg",
-}
-
-
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
-def test_two_processes_match_one_with_the_same_global_batch(script, tmp_path, tiny_model_dir, tiny_prompts_file):
-    """Two processes x 2 micro-batches against one process x 4: the same 16 completions per update (the sampling
-    noise is drawn for the global batch), the same averaged gradient, so the same rollouts at every later update."""
-    (tmp_path / "reward.py").write_text(VOWELS)
-    args = (
-        f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --reward_fn {tmp_path}/reward.py:vowels"
-        " --total_episodes 48 --per_device_train_batch_size 4 --response_length 8 --temperature 1.0 --learning_rate 1e-3"
-        " --num_sample_generations 0 --no_save_model"
-    )
-    if script == "ppo.py":
-        args += " --stop_token None"  # equal lengths: the per-token loss means then do not depend on the split either
-    check_ok(launch(1, script, f"{args} --gradient_accumulation_steps 4 --output_dir {tmp_path / 'one'}", tmp_path))
-    check_ok(launch(2, script, f"{args} --gradient_accumulation_steps 2 --output_dir {tmp_path / 'two'}", tmp_path))
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert [r["episode"] for r in one] == [r["episode"] for r in two] == [16, 32, 48]
-    for a, b in zip(one, two):
-        for key in SAME[script].split():
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a["episode"])
-    assert one[0]["objective/scores"] != one[-1]["objective/scores"]  # the policy moved: later rollouts test the update
 
 
 def test_bf16_rollout_policy_and_reference_agree(run, tmp_path, tiny_model_dir, tiny_prompts_file):

@@ -86,6 +86,41 @@ def test_resume_drops_torn_and_later_rows(run, tmp_path, tiny_model_dir, tiny_pr
     assert without_eps(again) == without_eps(rows)
 
 
+def test_resume_continues_the_logs_and_refuses_changed_arguments(
+    run, tmp_path, tiny_model_dir, tiny_prompts_file, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    out = tmp_path / "out"
+    base = command("rloo.py", tiny_model_dir, tiny_prompts_file, out).replace("--total_episodes 160", "--total_episodes 48")
+    base += " --keep_checkpoints 5 --track"
+    check_ok(run(base, cwd=tmp_path))
+    shutil.rmtree(out / "checkpoint-0000003")  # as if killed after logging update 3, before its checkpoint
+
+    changed = base.replace("--per_device_train_batch_size 8", "--per_device_train_batch_size 4") + " --learning_rate 1e-3"
+    proc = run(changed + " --resume", cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: --resume with arguments that change the run:"), last
+    assert "per_device_train_batch_size 8 -> 4" in last and "learning_rate 5e-05 -> 0.001" in last
+    assert "batch_size 16 -> 8" in last  # derived sizes too (the process count among them)
+    # flags that do not change the run may change
+    check_ok(run(base + " --resume --num_sample_generations 1 --checkpoint_every 2", cwd=tmp_path))
+
+    # TensorBoard under output_dir: the steps the killed run logged past its checkpoint were dropped, then logged anew
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "runs"))
+    events.Reload()
+    scores = events.Scalars("objective/scores")
+    assert [e.step for e in scores] == [16, 32, 48]
+    assert [e.value for e in scores] == pytest.approx([r["objective/scores"] for r in read_metrics(out)])
+    assert not os.path.exists(tmp_path / "runs")  # nothing in the working directory
+    # wandb: the resumed process logs to the same run
+    run_id = (out / "wandb_id").read_text()
+    starts = [n for n in os.listdir(tmp_path / "wandb") if n.startswith("offline-run-")]
+    assert len(starts) == 2 and all(n.endswith(run_id) for n in starts), starts
+
+
 def test_resume_needs_a_checkpoint(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     proc = run(command("rloo.py", tiny_model_dir, tiny_prompts_file, tmp_path / "none", "--resume"), cwd=tmp_path)
     assert proc.returncode != 0 and "no complete checkpoint" in proc.stderr.strip().splitlines()[-1]
@@ -108,7 +143,7 @@ def test_non_finite_gradient_stops_and_names_the_last_checkpoint(script, run, tm
 
     for name in os.listdir(out):
         if name.startswith("checkpoint-"):
-            weights = load_file(out / name / ("policy.safetensors" if script == "rloo.py" else "model.safetensors"))
+            weights = load_file(out / name / "model.safetensors")
             assert all(torch.isfinite(v).all() for v in weights.values())
 
 
