@@ -376,14 +376,16 @@ def sample_tokens(logits, temperature, uniforms):
     """Draw one token per row from softmax(logits / temperature) by inverse CDF: the first token whose cumulative
     probability reaches the row's uniform number. A row's token depends on its own logits and number only, so a
     sample does not change with the batch or the process it is drawn in. Temperature 0: greedy.
-    logits (batch, vocab), uniforms (batch,) in [0, 1) -> tokens (batch, 1)."""
+    logits (batch, vocab), uniforms (batch,) in [0, 1] -> tokens (batch, 1)."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     cdf = torch.softmax(logits.float() / temperature, dim=-1).cumsum(-1)
-    # scaled by the total (which rounding leaves a hair off 1) and searched to the right, so that neither u = 0 nor
-    # u close to 1 can land on a token of zero probability
-    target = uniforms[:, None].to(cdf) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
+    total = cdf[:, -1:]  # rounding leaves it a hair off 1
+    # the first token whose cumulative probability passes the target (searched to the right), so a token of probability
+    # above zero: u = 0 skips leading zeros, and the target stays strictly below the total, which u = 1 (or a float64
+    # u that rounds to 1 in float32) would reach, running past trailing zeros to the vocabulary's last token
+    target = torch.minimum(uniforms[:, None].to(cdf) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)  # (the clamp: NaN logits)
 
 
 @torch.no_grad()

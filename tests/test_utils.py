@@ -231,6 +231,19 @@ def test_sample_tokens_follows_the_tempered_distribution():
     assert utils.sample_tokens(edges, 1.0, torch.stack([torch.tensor(0.0), largest])).tolist() == [[1], [3]]
 
 
+def test_sample_tokens_never_picks_a_zero_probability_token_at_the_ends():
+    """u = 1 (or a float64 u that rounds to 1 in float32) must not run past the last token of positive probability
+    to the vocabulary's end, nor u = 0 stop at a first token of zero probability."""
+    # zero in float32: exp(-1e4) underflows, exp(-inf) is 0
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1e4, -1e4], [0.5, 1.0, -1.0, 3.0, -float("inf")]])
+    for u in [1.0, 1 - 1e-12]:  # (1 - 1e-12 rounds to 1.0 in float32)
+        uniforms = torch.full((2,), u, dtype=torch.float64)
+        for temperature in (1.0, 0.7):
+            assert utils.sample_tokens(logits, temperature, uniforms).tolist() == [[2], [3]]
+    leading = torch.tensor([[-float("inf"), -1e4, 0.0, 1.0], [-1e4, 2.0, -float("inf"), 0.0]])
+    assert utils.sample_tokens(leading, 1.0, torch.zeros(2)).tolist() == [[2], [1]]
+
+
 def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     model, tok = tiny_lm
     queries, mask = utils.left_pad([tok("the")["input_ids"]] * 3, tok.pad_token_id)
