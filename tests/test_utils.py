@@ -286,6 +286,67 @@ def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
     torch.testing.assert_close(padded[:, -1], per_token[:, -1], atol=1e-5, rtol=1e-5)
 
 
+def reward_model_batch(tok, rows, stop):
+    """A rollout-shaped batch built from canonical encodings: (query text, completion text, stopped) rows become
+    left-padded queries, then right-padded responses ending with the stop token where stopped."""
+    q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q, _, _ in rows]
+    r_ids = [tok(c, add_special_tokens=False)["input_ids"] + [stop] * stopped for _, c, stopped in rows]
+    queries, query_mask = utils.left_pad(q_ids, tok.pad_token_id)
+    lengths = torch.tensor([len(r) for r in r_ids])
+    width = int(lengths.max())
+    responses = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in r_ids])
+    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1), queries.shape[1], lengths
+
+
+@pytest.mark.parametrize("stop", ["eos", "."])  # a special stop token, dropped by decoding; an ordinary one, kept
+def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_is(
+    stop, tiny_tokenizer_dir, tiny_reward_model_dir
+):
+    """The decode-and-re-encode path reads the reward model at the same token as reading the policy's tokens
+    directly: at the stop token of completions that stopped, at the last token of those cut off. The reward model's
+    tokenizer is the policy's plus one token, so the re-encoding path runs while ordinary text keeps its ids."""
+    from transformers import AutoModelForSequenceClassification
+
+    tok = utils.load_tokenizer(tiny_tokenizer_dir)
+    rm_tok = utils.load_tokenizer(tiny_tokenizer_dir)
+    rm_tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    assert not utils.same_vocabulary(tok, rm_tok)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+    stop_token_id = tok.eos_token_id if stop == "eos" else tok.convert_tokens_to_ids(".")
+    rows = [
+        ("Tell me about the river", " the function returns a list", True),
+        ("x", " of values", False),
+        ("Describe the old house", " and then", True),
+        ("Explain", " it is the value of", False),
+        ("Give advice on my garden", " yes", True),
+    ]
+    query_responses, mask, context_length, lengths = reward_model_batch(tok, rows, stop_token_id)
+    for row, n in zip(query_responses, context_length + lengths):  # canonical: the decoded text re-encodes the same
+        ids = [i for i in row[:n].tolist() if i not in (tok.pad_token_id, tok.eos_token_id)]
+        assert rm_tok(tok.decode(row[:n], skip_special_tokens=True), add_special_tokens=False)["input_ids"] == ids
+    kwargs = dict(
+        reward_model=rm,
+        reward_fn=None,
+        tokenizer=tok,
+        query_responses=query_responses,
+        mask=mask,
+        context_length=context_length,
+        lengths=lengths,
+        prompts=None,
+        stop_token_id=stop_token_id,
+    )
+    with torch.no_grad():
+        direct = utils.get_scores(rm_tokenizer=None, **kwargs)
+        reencoded = utils.get_scores(rm_tokenizer=rm_tok, **kwargs)
+    torch.testing.assert_close(reencoded, direct, atol=1e-5, rtol=1e-5)
+
+    if stop == "eos":  # a reward model's tokenizer without an EOS token has nothing to end a stopped completion with
+        rm_tok.eos_token = None
+        with pytest.raises(SystemExit, match="no EOS token"):
+            utils.get_scores(rm_tokenizer=rm_tok, **kwargs)
+
+
 def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
     import datasets
 
