@@ -245,15 +245,45 @@ def test_sample_tokens_never_picks_a_zero_probability_token_at_the_ends():
 
 
 def test_generate_stops_once_every_row_has_stopped(tiny_lm):
+    """Rows that produce the stop token at different steps: generation runs until the last of them has, and no
+    further (one model call per step, a width of that step + 1, short of response_length), and the stop token
+    changes none of the tokens sampled until then, in rows that have stopped or not."""
     model, tok = tiny_lm
-    queries, mask = utils.left_pad([tok("the")["input_ids"]] * 3, tok.pad_token_id)
-    uniforms = torch.rand(3, 5)
-    free = utils.generate(model, queries, mask, response_length=5, temperature=1.0, uniforms=uniforms)
-    stop = free[0, 0].item()  # a token the first row samples first: with it as the stop token, row 0 stops at once
-    out = utils.generate(model, queries, mask, response_length=5, temperature=1.0, stop_token_id=stop, uniforms=uniforms)
-    assert out[0, 0].item() == stop
-    stopped_rows = (out == stop).any(1)
-    assert out.shape[1] == 5 or stopped_rows.all()
+    length = 10
+    prompt = tok("the")["input_ids"]
+    uniforms = torch.rand(3, length, generator=torch.Generator().manual_seed(0))
+    query, query_mask = utils.left_pad([prompt], tok.pad_token_id)
+    first = utils.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
+    first = first[0].tolist()
+    # rows 1 and 2 go on from row 0's first and second token with its numbers, so they meet its later tokens one and
+    # two steps sooner: the stop token below stops the rows at three different steps
+    queries, mask = utils.left_pad([prompt, prompt + first[:1], prompt + first[:2]], tok.pad_token_id)
+    uniforms[1, :-1], uniforms[2, :-2] = uniforms[0, 1:], uniforms[0, 2:]
+    calls = []
+
+    def counting(**kwargs):  # the model, counting its forward calls
+        calls.append(kwargs["input_ids"].shape[1])
+        return model(**kwargs)
+
+    free = utils.generate(counting, queries, mask, response_length=length, temperature=1.0, uniforms=uniforms)
+    assert len(calls) == length  # the prompts, then one token per step but the last
+    free = free.tolist()
+
+    def steps(token):  # the step at which each row first samples `token`
+        return [row.index(token) if token in row else length for row in free]
+
+    # a token of row 0's, new at its step 3 or later, that every row samples before the last step
+    stop = next((t for k, t in enumerate(first) if k >= 3 and t not in first[:k] and max(steps(t)) < length - 1), None)
+    assert stop is not None, free
+    stops = steps(stop)
+    last = max(stops)
+    assert len(set(stops)) == 3 and last < length - 1
+    calls.clear()
+    out = utils.generate(
+        counting, queries, mask, response_length=length, temperature=1.0, stop_token_id=stop, uniforms=uniforms
+    )
+    assert out.shape[1] == last + 1 and len(calls) == last + 1
+    assert out.tolist() == [row[: last + 1] for row in free]
 
 
 def test_reward_fn_loading_and_checks(tmp_path):
