@@ -388,7 +388,16 @@ if __name__ == "__main__":
                 prompts = texts[i : i + len(query)]
                 scores.append(
                     get_scores(
-                        reward_model, rm_tokenizer, reward_fn, tokenizer, query_response, mask, context_length, length, prompts
+                        reward_model=reward_model,
+                        rm_tokenizer=rm_tokenizer,
+                        reward_fn=reward_fn,
+                        tokenizer=tokenizer,
+                        query_responses=query_response,
+                        mask=mask,
+                        context_length=context_length,
+                        lengths=length,
+                        prompts=prompts,
+                        stop_token_id=stop_token_id,
                     )
                 )
                 responses.append(response)

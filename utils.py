@@ -309,11 +309,14 @@ def scalar_forward(model, input_ids, attention_mask):
     return model.score(hidden).squeeze(-1)
 
 
-def get_scores(reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses, mask, context_length, lengths, prompts):
-    """Scores (batch,) of truncated completions: the reward model (num_labels=1) read at the last real token, or the
-    reward function called on the prompt texts and the decoded completions. query_responses (batch, seq) hold
-    left-padded queries of context_length columns, then responses of `lengths` real tokens. rm_tokenizer is None when
-    the reward model shares the policy's vocabulary; otherwise the text is re-encoded with it."""
+def get_scores(
+    reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses, mask, context_length, lengths, prompts, stop_token_id
+):
+    """Scores (batch,) of truncated completions: the reward model (num_labels=1) read at the last real token (the
+    stop token of a completion that stopped), or the reward function called on the prompt texts and the decoded
+    completions. query_responses (batch, seq) hold left-padded queries of context_length columns, then responses of
+    `lengths` real tokens. rm_tokenizer is None when the reward model shares the policy's vocabulary; otherwise the
+    text is re-encoded with it, and a stop token that decoding drops (EOS) becomes the reward model's EOS token."""
     if reward_model is not None and rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
         ids, last = query_responses, context_length + lengths - 1
     else:
@@ -323,8 +326,16 @@ def get_scores(reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses
             return check_scores(scores, len(completions), reward_fn.__name__).to(query_responses.device)
         queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
         texts = [q + c for q, c in zip(queries, completions)]
-        enc = rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(query_responses.device)
-        ids, mask = enc["input_ids"], enc["attention_mask"]
+        seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # read where the same vocabulary is read: at the stop token. Decoding keeps an ordinary stop token in the text,
+        # but drops a special one (EOS), which the reward model's own EOS token then stands for
+        if stop_token_id is not None and stop_token_id in tokenizer.all_special_ids:
+            if rm_tokenizer.eos_token_id is None:
+                die(f"the reward model's tokenizer {rm_tokenizer.name_or_path!r} has no EOS token to end completions with")
+            stopped = query_responses.gather(1, (context_length + lengths - 1)[:, None])[:, 0] == stop_token_id
+            seqs = [s + [rm_tokenizer.eos_token_id] if end else s for s, end in zip(seqs, stopped.tolist())]
+        ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id)
+        ids, mask = ids.to(query_responses.device), mask.to(query_responses.device)
         last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
     scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
     if not torch.isfinite(scores).all():
@@ -389,14 +400,16 @@ def sample_tokens(logits, temperature, uniforms):
     """Draw one token per row from softmax(logits / temperature) by inverse CDF: the first token whose cumulative
     probability reaches the row's uniform number. A row's token depends on its own logits and number only, so a
     sample does not change with the batch or the process it is drawn in. Temperature 0: greedy.
-    logits (batch, vocab), uniforms (batch,) in [0, 1) -> tokens (batch, 1)."""
+    logits (batch, vocab), uniforms (batch,) in [0, 1] -> tokens (batch, 1)."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     cdf = torch.softmax(logits.float() / temperature, dim=-1).cumsum(-1)
-    # scaled by the total (which rounding leaves a hair off 1) and searched to the right, so that neither u = 0 nor
-    # u close to 1 can land on a token of zero probability
-    target = uniforms[:, None].to(cdf) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
+    total = cdf[:, -1:]  # rounding leaves it a hair off 1
+    # the first token whose cumulative probability passes the target (searched to the right), so a token of probability
+    # above zero: u = 0 skips leading zeros, and the target stays strictly below the total, which u = 1 (or a float64
+    # u that rounds to 1 in float32) would reach, running past trailing zeros to the vocabulary's last token
+    target = torch.minimum(uniforms[:, None].to(cdf) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)  # (the clamp: NaN logits)
 
 
 @torch.no_grad()
@@ -834,7 +847,16 @@ def evaluate(
             rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
             query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
             scores = get_scores(
-                reward_model, rm_tokenizer, None, tokenizer, query_response, mask, query.shape[1], lengths, None
+                reward_model=reward_model,
+                rm_tokenizer=rm_tokenizer,
+                reward_fn=None,
+                tokenizer=tokenizer,
+                query_responses=query_response,
+                mask=mask,
+                context_length=query.shape[1],
+                lengths=lengths,
+                prompts=None,
+                stop_token_id=stop_token_id,
             )
             stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
             completions = tokenizer.batch_decode(response, skip_special_tokens=True)

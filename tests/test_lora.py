@@ -61,9 +61,23 @@ def test_use_peft_without_peft_is_one_clear_line(run, tmp_path, tiny_model_dir, 
 
 @pytest.mark.parametrize("script", ["rloo_tldr.py"])
 def test_tldr_lora_evaluates_the_adapted_policy(script, run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
-    from test_tldr import small
+    """The evaluations run the policy the run trains: the first one the base model (the adapters start as a no-op),
+    the last one the base model with the saved adapters, each recomputed with plain transformers and peft, and the
+    adapters change the summaries."""
+    from peft import PeftModel
+    from test_tldr import read_samples, recompute_eval, small
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     out = tmp_path / "out"
     extra = "--use_peft --lora_r 4 --learning_rate 1e-2"
     check_ok(run(small(script, tldr_dir, tiny_model_dir, tiny_reward_model_dir, out, extra), tmp_path))
-    assert os.path.exists(out / "adapter_model.safetensors") and os.path.exists(out / "eval.json")
+    assert os.path.exists(out / "adapter_model.safetensors") and not os.path.exists(out / "model.safetensors")
+    assert [r["episode"] for r in read_metrics(out) if "eval/scores" in r] == [0, 32]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    before = recompute_eval(base, tok, rm, read_samples(out, 0))
+    adapted = PeftModel.from_pretrained(base, out).eval()  # (injects the adapters into base)
+    after = recompute_eval(adapted, tok, rm, read_samples(out, 32))
+    assert after != before  # the test can tell the adapted policy from the base model

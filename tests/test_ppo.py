@@ -142,6 +142,31 @@ def test_variants_run_shared_head_kl_loss_adaptive(run, tmp_path, tiny_model_dir
     assert rows[0]["objective/kl_coef"] == 0.05
 
 
+def test_target_kl_stops_the_remaining_epochs(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--target_kl: once an epoch's approximate KL to the rollout policy passes it, the update runs no more epochs.
+    With a target the first epoch always passes (its second mini-batch runs after a step), 4 epochs train exactly as
+    1 does, row for row: any later epoch would change the statistics, the weights and so the next rollouts. With a
+    target never passed, the 4 epochs run and the rows differ."""
+    (tmp_path / "reward.py").write_text(VOWELS)
+    common = (
+        f" --reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 4"
+        " --gradient_accumulation_steps 1 --num_mini_batches 2 --response_length 8 --learning_rate 1e-3"
+        " --num_sample_generations 0 --no_save_model"
+    )
+    runs = {
+        "one": " --num_ppo_epochs 1",
+        "stopped": " --num_ppo_epochs 4 --target_kl 1e-12",
+        "all": " --num_ppo_epochs 4 --target_kl 1e6",
+    }
+    rows = {}
+    for name, extra in runs.items():
+        check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, tmp_path / name) + common + extra, cwd=tmp_path))
+        rows[name] = [{k: v for k, v in r.items() if k != "eps"} for r in read_metrics(tmp_path / name)]  # eps: timing
+    assert len(rows["one"]) == 4
+    assert rows["stopped"] == rows["one"]
+    assert [r["policy/approxkl_avg"] for r in rows["all"]] != [r["policy/approxkl_avg"] for r in rows["one"]]
+
+
 def test_bad_ppo_flags(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     proc = run(
         ppo(tiny_model_dir, tiny_prompts_file, tmp_path / "o") + f" --value_head_shared --value_model_path {tiny_model_dir}",

@@ -84,6 +84,33 @@ def read_samples(out, episode):
         return [json.loads(line) for line in f]
 
 
+def recompute_eval(policy, tok, rm, samples, response_length=12):
+    """Check eval_samples rows against plain transformers, one prompt at a time: greedy generate() cut after the EOS
+    token, and the reward model's own pooled score of prompt + completion. Returns the recomputed completions."""
+    import torch
+
+    completions = []
+    for s in samples:
+        ids = tok(s["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            full = policy.generate(
+                input_ids=ids,
+                do_sample=False,
+                max_new_tokens=response_length,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )[0]
+            response = full[ids.shape[1] :]
+            if (response == tok.eos_token_id).any():
+                response = response[: int((response == tok.eos_token_id).nonzero()[0]) + 1]
+            score = rm(torch.cat([ids[0], response])[None]).logits[0, 0].item()
+        completions.append(tok.decode(response, skip_special_tokens=True).strip())
+        assert s["completion"] == completions[-1]
+        assert s["length"] == len(response) and s["stopped"] == bool((response == tok.eos_token_id).any())
+        assert s["score"] == pytest.approx(score, abs=1e-4)
+    return completions
+
+
 def small(script, tldr_dir, model, reward_model, out, extra=""):
     """A run of a TL;DR script small enough for a test: 2 updates of 16 completions, 10 eval prompts."""
     return (
@@ -147,7 +174,6 @@ def test_rloo_tldr_trains_evaluates_and_judges(
 def test_eval_matches_transformers_greedy_and_reward_model(run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
     """The episode-0 evaluation, recomputed one prompt at a time with plain transformers: greedy generate() and the
     reward model's own pooled score."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     out = tmp_path / "out"
@@ -160,19 +186,7 @@ def test_eval_matches_transformers_greedy_and_reward_model(run, tmp_path, tldr_d
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     samples = read_samples(out, 0)
-    for s in samples:
-        ids = tok(s["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            full = policy.generate(
-                ids, do_sample=False, max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-            )[0]
-            response = full[ids.shape[1] :]
-            if (response == tok.eos_token_id).any():
-                response = response[: int((response == tok.eos_token_id).nonzero()[0]) + 1]
-            score = rm(torch.cat([ids[0], response])[None]).logits[0, 0].item()
-        assert s["completion"] == tok.decode(response, skip_special_tokens=True).strip()
-        assert s["length"] == len(response) and s["stopped"] == bool((response == tok.eos_token_id).any())
-        assert s["score"] == pytest.approx(score, abs=1e-4)
+    recompute_eval(policy, tok, rm, samples)
     assert evals[0]["eval/scores"] == pytest.approx(sum(s["score"] for s in samples) / len(samples))
 
 

@@ -231,16 +231,59 @@ def test_sample_tokens_follows_the_tempered_distribution():
     assert utils.sample_tokens(edges, 1.0, torch.stack([torch.tensor(0.0), largest])).tolist() == [[1], [3]]
 
 
+def test_sample_tokens_never_picks_a_zero_probability_token_at_the_ends():
+    """u = 1 (or a float64 u that rounds to 1 in float32) must not run past the last token of positive probability
+    to the vocabulary's end, nor u = 0 stop at a first token of zero probability."""
+    # zero in float32: exp(-1e4) underflows, exp(-inf) is 0
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1e4, -1e4], [0.5, 1.0, -1.0, 3.0, -float("inf")]])
+    for u in [1.0, 1 - 1e-12]:  # (1 - 1e-12 rounds to 1.0 in float32)
+        uniforms = torch.full((2,), u, dtype=torch.float64)
+        for temperature in (1.0, 0.7):
+            assert utils.sample_tokens(logits, temperature, uniforms).tolist() == [[2], [3]]
+    leading = torch.tensor([[-float("inf"), -1e4, 0.0, 1.0], [-1e4, 2.0, -float("inf"), 0.0]])
+    assert utils.sample_tokens(leading, 1.0, torch.zeros(2)).tolist() == [[2], [1]]
+
+
 def test_generate_stops_once_every_row_has_stopped(tiny_lm):
+    """Rows that produce the stop token at different steps: generation runs until the last of them has, and no
+    further (one model call per step, a width of that step + 1, short of response_length), and the stop token
+    changes none of the tokens sampled until then, in rows that have stopped or not."""
     model, tok = tiny_lm
-    queries, mask = utils.left_pad([tok("the")["input_ids"]] * 3, tok.pad_token_id)
-    uniforms = torch.rand(3, 5)
-    free = utils.generate(model, queries, mask, response_length=5, temperature=1.0, uniforms=uniforms)
-    stop = free[0, 0].item()  # a token the first row samples first: with it as the stop token, row 0 stops at once
-    out = utils.generate(model, queries, mask, response_length=5, temperature=1.0, stop_token_id=stop, uniforms=uniforms)
-    assert out[0, 0].item() == stop
-    stopped_rows = (out == stop).any(1)
-    assert out.shape[1] == 5 or stopped_rows.all()
+    length = 10
+    prompt = tok("the")["input_ids"]
+    uniforms = torch.rand(3, length, generator=torch.Generator().manual_seed(0))
+    query, query_mask = utils.left_pad([prompt], tok.pad_token_id)
+    first = utils.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
+    first = first[0].tolist()
+    # rows 1 and 2 go on from row 0's first and second token with its numbers, so they meet its later tokens one and
+    # two steps sooner: the stop token below stops the rows at three different steps
+    queries, mask = utils.left_pad([prompt, prompt + first[:1], prompt + first[:2]], tok.pad_token_id)
+    uniforms[1, :-1], uniforms[2, :-2] = uniforms[0, 1:], uniforms[0, 2:]
+    calls = []
+
+    def counting(**kwargs):  # the model, counting its forward calls
+        calls.append(kwargs["input_ids"].shape[1])
+        return model(**kwargs)
+
+    free = utils.generate(counting, queries, mask, response_length=length, temperature=1.0, uniforms=uniforms)
+    assert len(calls) == length  # the prompts, then one token per step but the last
+    free = free.tolist()
+
+    def steps(token):  # the step at which each row first samples `token`
+        return [row.index(token) if token in row else length for row in free]
+
+    # a token of row 0's, new at its step 3 or later, that every row samples before the last step
+    stop = next((t for k, t in enumerate(first) if k >= 3 and t not in first[:k] and max(steps(t)) < length - 1), None)
+    assert stop is not None, free
+    stops = steps(stop)
+    last = max(stops)
+    assert len(set(stops)) == 3 and last < length - 1
+    calls.clear()
+    out = utils.generate(
+        counting, queries, mask, response_length=length, temperature=1.0, stop_token_id=stop, uniforms=uniforms
+    )
+    assert out.shape[1] == last + 1 and len(calls) == last + 1
+    assert out.tolist() == [row[: last + 1] for row in free]
 
 
 def test_reward_fn_loading_and_checks(tmp_path):
@@ -271,6 +314,67 @@ def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
         # left padding does not change the score of the real tokens
         padded = utils.scalar_forward(rm, torch.tensor([[1, 1, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1]]))
     torch.testing.assert_close(padded[:, -1], per_token[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def reward_model_batch(tok, rows, stop):
+    """A rollout-shaped batch built from canonical encodings: (query text, completion text, stopped) rows become
+    left-padded queries, then right-padded responses ending with the stop token where stopped."""
+    q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q, _, _ in rows]
+    r_ids = [tok(c, add_special_tokens=False)["input_ids"] + [stop] * stopped for _, c, stopped in rows]
+    queries, query_mask = utils.left_pad(q_ids, tok.pad_token_id)
+    lengths = torch.tensor([len(r) for r in r_ids])
+    width = int(lengths.max())
+    responses = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in r_ids])
+    response_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return torch.cat([queries, responses], 1), torch.cat([query_mask, response_mask], 1), queries.shape[1], lengths
+
+
+@pytest.mark.parametrize("stop", ["eos", "."])  # a special stop token, dropped by decoding; an ordinary one, kept
+def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_is(
+    stop, tiny_tokenizer_dir, tiny_reward_model_dir
+):
+    """The decode-and-re-encode path reads the reward model at the same token as reading the policy's tokens
+    directly: at the stop token of completions that stopped, at the last token of those cut off. The reward model's
+    tokenizer is the policy's plus one token, so the re-encoding path runs while ordinary text keeps its ids."""
+    from transformers import AutoModelForSequenceClassification
+
+    tok = utils.load_tokenizer(tiny_tokenizer_dir)
+    rm_tok = utils.load_tokenizer(tiny_tokenizer_dir)
+    rm_tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    assert not utils.same_vocabulary(tok, rm_tok)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+    stop_token_id = tok.eos_token_id if stop == "eos" else tok.convert_tokens_to_ids(".")
+    rows = [
+        ("Tell me about the river", " the function returns a list", True),
+        ("x", " of values", False),
+        ("Describe the old house", " and then", True),
+        ("Explain", " it is the value of", False),
+        ("Give advice on my garden", " yes", True),
+    ]
+    query_responses, mask, context_length, lengths = reward_model_batch(tok, rows, stop_token_id)
+    for row, n in zip(query_responses, context_length + lengths):  # canonical: the decoded text re-encodes the same
+        ids = [i for i in row[:n].tolist() if i not in (tok.pad_token_id, tok.eos_token_id)]
+        assert rm_tok(tok.decode(row[:n], skip_special_tokens=True), add_special_tokens=False)["input_ids"] == ids
+    kwargs = dict(
+        reward_model=rm,
+        reward_fn=None,
+        tokenizer=tok,
+        query_responses=query_responses,
+        mask=mask,
+        context_length=context_length,
+        lengths=lengths,
+        prompts=None,
+        stop_token_id=stop_token_id,
+    )
+    with torch.no_grad():
+        direct = utils.get_scores(rm_tokenizer=None, **kwargs)
+        reencoded = utils.get_scores(rm_tokenizer=rm_tok, **kwargs)
+    torch.testing.assert_close(reencoded, direct, atol=1e-5, rtol=1e-5)
+
+    if stop == "eos":  # a reward model's tokenizer without an EOS token has nothing to end a stopped completion with
+        rm_tok.eos_token = None
+        with pytest.raises(SystemExit, match="no EOS token"):
+            utils.get_scores(rm_tokenizer=rm_tok, **kwargs)
 
 
 def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
