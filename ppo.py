@@ -481,7 +481,10 @@ if __name__ == "__main__":
                 # logprobs of the distribution sampled from: logits / temperature
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
-                values.append(value[:, context_length - 1 : -1])  # the value of the state before each response token
+                # the value of the state before each response token, and one column more: a row that stops at the
+                # chunk's last column has there its value after EOS (the critic at the stop token; --score_position
+                # after_eos reads it)
+                values.append(value[:, context_length - 1 :])
                 with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
@@ -501,7 +504,9 @@ if __name__ == "__main__":
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
             logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
             ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
-            values = torch.cat([F.pad(v, (0, width - v.shape[1])) for v in values])
+            # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
+            # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
+            values = torch.cat([F.pad(v, (0, width + 1 - v.shape[1])) for v in values])[:, :width]
             scores = torch.cat(scores)
             lengths = torch.cat(lengths)
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding

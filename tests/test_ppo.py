@@ -85,6 +85,60 @@ def ppo(model_dir, prompts, out):
     return f"ppo.py --model_name_or_path {model_dir} --dataset_name {prompts} --output_dir {out}"
 
 
+@pytest.fixture(scope="module")
+def eos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny policy made to stop early: EOS has the same logit at every position, about a quarter of the tokens
+    sampled at temperature 1, so the rows of one rollout chunk stop at different lengths."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        # the final LayerNorm's normalised features sum to zero; with a bias of ones they sum to hidden_size, so an EOS
+        # row of c's gives EOS the logit c * hidden_size, against logits near 0 for the other tokens
+        model.gpt_neox.final_layer_norm.bias.fill_(1.0)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] = math.log(len(tokenizer) / 3) / model.config.hidden_size
+    path = str(tmp_path_factory.mktemp("eos_model"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
+def test_rollout_values_do_not_depend_on_the_chunking(
+    run, tmp_path, script, eos_model_dir, tiny_prompts_file, tldr_dir, tiny_reward_model_dir
+):
+    """With --score_position after_eos the score sits one past the stop token, whose value is the critic's at the stop
+    token. A row that stops at its rollout chunk's last column must get that value too, as when the whole batch runs
+    in one chunk: the critic over the padded batch, which is also what the update's first pass predicts."""
+    (tmp_path / "reward.py").write_text(VOWELS)
+    if script == "ppo.py":
+        command = ppo(eos_model_dir, tiny_prompts_file, "{out}") + f" --reward_fn {tmp_path}/reward.py:vowels"
+    else:  # the TL;DR setup: reward model, missing-EOS penalty; a greedy evaluation of 2 prompts
+        command = (
+            f"ppo_tldr.py --sft_model_path {eos_model_dir} --reward_model_path {tiny_reward_model_dir} --dataset_name"
+            f" {tldr_dir} --max_prompt_length 200 --eval_every 0 --eval_examples 2 --eval_batch_size 2 --output_dir {{out}}"
+        )
+    command += (
+        " --score_position after_eos --response_length 6 --temperature 1.0 --total_episodes 32"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --num_mini_batches 1 --num_ppo_epochs 1"
+        " --learning_rate 0.0 --num_sample_generations 0 --no_save_model"
+        # a tight value clip range: a value the update predicts otherwise than the rollout would show as clipped
+        " --cliprange_value 0.001 --local_rollout_forward_batch_size {chunk}"
+    )
+    rows = {}
+    for chunk in (32, 2):  # one chunk; 16 chunks, most of them stopping before the batch's widest
+        out = tmp_path / f"chunk{chunk}"
+        check_ok(run(command.format(out=out, chunk=chunk), tmp_path))
+        rows[chunk] = [r for r in read_metrics(out) if "objective/scores" in r]
+    (whole,), (chunked,) = rows[32], rows[2]
+    assert whole["val/num_eos_tokens"] >= 16 and whole["val/response_length"] < 5  # the model does stop early
+    for key in ("objective/scores", "val/response_length", "val/vpred", "loss/value_avg"):  # the same completions
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    # one epoch, one mini-batch: the update predicts the rollout's values, so none is clipped
+    assert chunked["val/clipfrac_avg"] == whole["val/clipfrac_avg"] == 0.0
+
+
 def test_score_rises_and_the_policy_and_critic_reload(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     (tmp_path / "reward.py").write_text(VOWELS)
     out = tmp_path / "out"
