@@ -137,8 +137,9 @@ class Args:
     # algorithm
     kl_coef: float = 0.05
     """the weight of the KL penalty (the initial one with --kl_target)"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """the per-token KL estimator"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """the per-token KL estimator; None: k1 in the reward, k2 in the loss. In the loss only its gradient counts: k2's is
+    that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's choice), k1's zero in expectation (refused)"""
     kl_penalty: Literal["reward", "loss"] = "reward"
     """where the KL goes: subtracted from each token's reward, or added to the policy loss"""
     kl_target: Optional[float] = None
@@ -292,6 +293,11 @@ if __name__ == "__main__":
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
+    # k1 sums to the sequence log-ratio, unbiased in the reward; in the loss E_p[grad log p] = 0 leaves it no gradient
+    if args.kl_estimator is None:
+        args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
+    if args.kl_penalty == "loss" and args.kl_estimator == "k1":
+        die("--kl_penalty loss needs --kl_estimator k2 or k3: k1's gradient is zero in expectation")
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_horizon <= 0):
         die("--kl_target and --kl_horizon must be positive")
     if args.value_head_shared and args.value_model_path:

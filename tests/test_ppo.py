@@ -181,14 +181,18 @@ def test_variants_run_shared_head_kl_loss_adaptive(run, tmp_path, tiny_model_dir
         " --num_ppo_epochs 2 --response_length 8 --num_sample_generations 0"
     )
     out = tmp_path / "shared"
-    variant = " --value_head_shared --kl_penalty loss --kl_estimator k3 --score_position after_eos --whiten_rewards"
-    check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path))
+    variant = " --value_head_shared --kl_penalty loss --score_position after_eos --whiten_rewards"
+    proc = run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path)
+    check_ok(proc)
+    assert "kl_estimator='k2'" in proc.stdout  # the default in the loss (the printed config)
     assert os.path.exists(out / "value_head.safetensors") and not os.path.exists(out / "critic")
     assert all(r["objective/non_score_reward"] == 0.0 for r in read_metrics(out))  # the KL is in the loss, not the reward
 
     out = tmp_path / "adaptive"
     variant = f" --kl_target 0.001 --kl_horizon 100 --reward_model_path {tiny_reward_model_dir} --target_kl 1e-9"
-    check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path))
+    proc = run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path)
+    check_ok(proc)
+    assert "kl_estimator='k1'" in proc.stdout  # the default in the reward
     rows = read_metrics(out)
     for prev, nxt in zip(rows, rows[1:]):
         expected = adaptive_kl_coef(prev["objective/kl_coef"], prev["objective/kl"], 0.001, 100, 16)
@@ -203,6 +207,17 @@ def test_bad_ppo_flags(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     )
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
+def test_kl_loss_refuses_k1_before_loading_anything(run, tmp_path, script):
+    # the model path leads nowhere: the flags are refused before any model is looked for
+    model_flag = "--model_name_or_path" if script == "ppo.py" else "--sft_model_path"
+    command = f"{script} {model_flag} {tmp_path / 'nowhere'} --output_dir {tmp_path / 'out'} --kl_penalty loss"
+    proc = run(command + " --kl_estimator k1", cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --kl_penalty loss needs --kl_estimator k2 or k3"), proc.stderr[-2000:]
 
 
 def test_embedded_default_runs_offline(run, tmp_path):
