@@ -138,8 +138,9 @@ class Args:
     # algorithm
     kl_coef: float = 0.05
     """the weight of the KL penalty (the initial one with --kl_target)"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """the per-token KL estimator"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """the per-token KL estimator; None: k1 in the reward, k2 in the loss. In the loss only its gradient counts: k2's is
+    that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's choice), k1's zero in expectation (refused)"""
     kl_penalty: Literal["reward", "loss"] = "reward"
     """where the KL goes: subtracted from each token's reward, or added to the policy loss"""
     kl_target: Optional[float] = None
@@ -309,6 +310,11 @@ if __name__ == "__main__":
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
+    # k1 sums to the sequence log-ratio, unbiased in the reward; in the loss E_p[grad log p] = 0 leaves it no gradient
+    if args.kl_estimator is None:
+        args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
+    if args.kl_penalty == "loss" and args.kl_estimator == "k1":
+        die("--kl_penalty loss needs --kl_estimator k2 or k3: k1's gradient is zero in expectation")
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_horizon <= 0):
         die("--kl_target and --kl_horizon must be positive")
     if args.value_head_shared and args.value_model_path:
@@ -496,7 +502,10 @@ if __name__ == "__main__":
                 # logprobs of the distribution sampled from: logits / temperature
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
-                values.append(value[:, context_length - 1 : -1])  # the value of the state before each response token
+                # the value of the state before each response token, and one column more: a row that stops at the
+                # chunk's last column has there its value after EOS (the critic at the stop token; --score_position
+                # after_eos reads it)
+                values.append(value[:, context_length - 1 :])
                 with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
@@ -525,7 +534,9 @@ if __name__ == "__main__":
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
             logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
             ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
-            values = torch.cat([F.pad(v, (0, width - v.shape[1])) for v in values])
+            # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
+            # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
+            values = torch.cat([F.pad(v, (0, width + 1 - v.shape[1])) for v in values])[:, :width]
             scores = torch.cat(scores)
             lengths = torch.cat(lengths)
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding

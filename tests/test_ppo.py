@@ -85,6 +85,60 @@ def ppo(model_dir, prompts, out):
     return f"ppo.py --model_name_or_path {model_dir} --dataset_name {prompts} --output_dir {out}"
 
 
+@pytest.fixture(scope="module")
+def eos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny policy made to stop early: EOS has the same logit at every position, about a quarter of the tokens
+    sampled at temperature 1, so the rows of one rollout chunk stop at different lengths."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        # the final LayerNorm's normalised features sum to zero; with a bias of ones they sum to hidden_size, so an EOS
+        # row of c's gives EOS the logit c * hidden_size, against logits near 0 for the other tokens
+        model.gpt_neox.final_layer_norm.bias.fill_(1.0)
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] = math.log(len(tokenizer) / 3) / model.config.hidden_size
+    path = str(tmp_path_factory.mktemp("eos_model"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
+def test_rollout_values_do_not_depend_on_the_chunking(
+    run, tmp_path, script, eos_model_dir, tiny_prompts_file, tldr_dir, tiny_reward_model_dir
+):
+    """With --score_position after_eos the score sits one past the stop token, whose value is the critic's at the stop
+    token. A row that stops at its rollout chunk's last column must get that value too, as when the whole batch runs
+    in one chunk: the critic over the padded batch, which is also what the update's first pass predicts."""
+    (tmp_path / "reward.py").write_text(VOWELS)
+    if script == "ppo.py":
+        command = ppo(eos_model_dir, tiny_prompts_file, "{out}") + f" --reward_fn {tmp_path}/reward.py:vowels"
+    else:  # the TL;DR setup: reward model, missing-EOS penalty; a greedy evaluation of 2 prompts
+        command = (
+            f"ppo_tldr.py --sft_model_path {eos_model_dir} --reward_model_path {tiny_reward_model_dir} --dataset_name"
+            f" {tldr_dir} --max_prompt_length 200 --eval_every 0 --eval_examples 2 --eval_batch_size 2 --output_dir {{out}}"
+        )
+    command += (
+        " --score_position after_eos --response_length 6 --temperature 1.0 --total_episodes 32"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --num_mini_batches 1 --num_ppo_epochs 1"
+        " --learning_rate 0.0 --num_sample_generations 0 --no_save_model"
+        # a tight value clip range: a value the update predicts otherwise than the rollout would show as clipped
+        " --cliprange_value 0.001 --local_rollout_forward_batch_size {chunk}"
+    )
+    rows = {}
+    for chunk in (32, 2):  # one chunk; 16 chunks, most of them stopping before the batch's widest
+        out = tmp_path / f"chunk{chunk}"
+        check_ok(run(command.format(out=out, chunk=chunk), tmp_path))
+        rows[chunk] = [r for r in read_metrics(out) if "objective/scores" in r]
+    (whole,), (chunked,) = rows[32], rows[2]
+    assert whole["val/num_eos_tokens"] >= 16 and whole["val/response_length"] < 5  # the model does stop early
+    for key in ("objective/scores", "val/response_length", "val/vpred", "loss/value_avg"):  # the same completions
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    # one epoch, one mini-batch: the update predicts the rollout's values, so none is clipped
+    assert chunked["val/clipfrac_avg"] == whole["val/clipfrac_avg"] == 0.0
+
+
 def test_score_rises_and_the_policy_and_critic_reload(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     (tmp_path / "reward.py").write_text(VOWELS)
     out = tmp_path / "out"
@@ -127,14 +181,18 @@ def test_variants_run_shared_head_kl_loss_adaptive(run, tmp_path, tiny_model_dir
         " --num_ppo_epochs 2 --response_length 8 --num_sample_generations 0"
     )
     out = tmp_path / "shared"
-    variant = " --value_head_shared --kl_penalty loss --kl_estimator k3 --score_position after_eos --whiten_rewards"
-    check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path))
+    variant = " --value_head_shared --kl_penalty loss --score_position after_eos --whiten_rewards"
+    proc = run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path)
+    check_ok(proc)
+    assert "kl_estimator='k2'" in proc.stdout  # the default in the loss (the printed config)
     assert os.path.exists(out / "value_head.safetensors") and not os.path.exists(out / "critic")
     assert all(r["objective/non_score_reward"] == 0.0 for r in read_metrics(out))  # the KL is in the loss, not the reward
 
     out = tmp_path / "adaptive"
     variant = f" --kl_target 0.001 --kl_horizon 100 --reward_model_path {tiny_reward_model_dir} --target_kl 1e-9"
-    check_ok(run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path))
+    proc = run(ppo(tiny_model_dir, tiny_prompts_file, out) + common + variant, cwd=tmp_path)
+    check_ok(proc)
+    assert "kl_estimator='k1'" in proc.stdout  # the default in the reward
     rows = read_metrics(out)
     for prev, nxt in zip(rows, rows[1:]):
         expected = adaptive_kl_coef(prev["objective/kl_coef"], prev["objective/kl"], 0.001, 100, 16)
@@ -174,6 +232,17 @@ def test_bad_ppo_flags(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     )
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
+def test_kl_loss_refuses_k1_before_loading_anything(run, tmp_path, script):
+    # the model path leads nowhere: the flags are refused before any model is looked for
+    model_flag = "--model_name_or_path" if script == "ppo.py" else "--sft_model_path"
+    command = f"{script} {model_flag} {tmp_path / 'nowhere'} --output_dir {tmp_path / 'out'} --kl_penalty loss"
+    proc = run(command + " --kl_estimator k1", cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --kl_penalty loss needs --kl_estimator k2 or k3"), proc.stderr[-2000:]
 
 
 def test_embedded_default_runs_offline(run, tmp_path):
