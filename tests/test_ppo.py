@@ -85,25 +85,6 @@ def ppo(model_dir, prompts, out):
     return f"ppo.py --model_name_or_path {model_dir} --dataset_name {prompts} --output_dir {out}"
 
 
-@pytest.fixture(scope="module")
-def eos_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny policy made to stop early: EOS has the same logit at every position, about a quarter of the tokens
-    sampled at temperature 1, so the rows of one rollout chunk stop at different lengths."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with torch.no_grad():
-        # the final LayerNorm's normalised features sum to zero; with a bias of ones they sum to hidden_size, so an EOS
-        # row of c's gives EOS the logit c * hidden_size, against logits near 0 for the other tokens
-        model.gpt_neox.final_layer_norm.bias.fill_(1.0)
-        model.get_output_embeddings().weight[tokenizer.eos_token_id] = math.log(len(tokenizer) / 3) / model.config.hidden_size
-    path = str(tmp_path_factory.mktemp("eos_model"))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
 def test_rollout_values_do_not_depend_on_the_chunking(
     run, tmp_path, script, eos_model_dir, tiny_prompts_file, tldr_dir, tiny_reward_model_dir
