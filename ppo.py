@@ -257,17 +257,17 @@ def adaptive_kl_coef(kl_coef, kl, kl_target, kl_horizon, n_steps):
     return kl_coef * (1.0 + error * n_steps / kl_horizon)
 
 
-def init_value_head(head, seed):
-    """A new value head (nn.Linear to 1): weights N(0, 1 / (hidden + 1)) as in the N+ details study, zero bias. Drawn
-    from a generator of its own seeded with --seed, so that every process, and every way of loading the critic,
-    starts from the same head (DeepSpeed's ZeRO-3 would otherwise shard each process's own random head)."""
+def init_value_head(head, std, seed):
+    """A new value head (nn.Linear to 1): weights N(0, std^2), zero bias, drawn from a generator of its own seeded with
+    --seed, so that every process, and every way of loading the critic, starts from the same head (DeepSpeed's ZeRO-3
+    would otherwise shard each process's own random head)."""
     gathered = contextlib.nullcontext()
     if hasattr(head.weight, "ds_id"):  # loaded under ZeRO-3, sharded as it loaded: gathered whole to be written
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0)
     with gathered, torch.no_grad():
-        head.weight.normal_(0.0, 1 / math.sqrt(head.in_features + 1), generator=torch.Generator().manual_seed(seed))
+        head.weight.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
         if head.bias is not None:
             head.bias.zero_()
     return head
@@ -281,7 +281,9 @@ class PolicyAndValue(nn.Module):
         super().__init__()
         self.policy, self.critic = policy, critic
         if critic is None:  # a value head on the policy's trunk
-            self.value_head = init_value_head(nn.Linear(policy.config.hidden_size, 1), seed)
+            # as the N+ details study: std 1 / sqrt(hidden + 1)
+            hidden = policy.config.hidden_size
+            self.value_head = init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed)
 
     def forward(self, input_ids, attention_mask, logits_to_keep):
         shared = self.critic is None
@@ -401,7 +403,7 @@ if __name__ == "__main__":
             config.num_labels = 1
             critic = AutoModelForSequenceClassification.from_config(config)
             getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
-        init_value_head(critic.score, args.seed)
+        init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
     if critic is not None and critic.config.num_labels != 1:
         die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     if args.use_peft:  # after the critic took a copy of the trunk

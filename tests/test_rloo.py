@@ -50,7 +50,7 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_mode
         assert 0 <= r["val/num_eos_tokens"] <= 32 and 0 <= r["policy/clipfrac_avg"] <= 1
         assert 1 <= r["val/response_length"] <= 12
     assert [r["lr"] for r in rows] == pytest.approx([5e-5, 5e-5 * 2 / 3, 5e-5 / 3])
-    assert (tmp_path / "runs").is_dir()  # tensorboard
+    assert (out / "runs").is_dir()  # tensorboard
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
