@@ -533,13 +533,13 @@ if __name__ == "__main__":
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
                 uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
                 response = generate(
-                    unwrapped.policy,
-                    query,
-                    qmask,
-                    args.response_length,
-                    args.temperature,
-                    stop_token_id,
-                    uniform,
+                    model=unwrapped.policy,
+                    queries=query,
+                    query_mask=qmask,
+                    response_length=args.response_length,
+                    temperature=args.temperature,
+                    stop_token_id=stop_token_id,
+                    uniforms=uniform,
                     synced=zero3(accelerator),
                 )
                 # 1. truncate after the stop token; everything after it is padding

@@ -408,13 +408,13 @@ if __name__ == "__main__":
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
                 uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
                 response = generate(
-                    unwrapped,
-                    query,
-                    qmask,
-                    args.response_length,
-                    args.temperature,
-                    stop_token_id,
-                    uniform,
+                    model=unwrapped,
+                    queries=query,
+                    query_mask=qmask,
+                    response_length=args.response_length,
+                    temperature=args.temperature,
+                    stop_token_id=stop_token_id,
+                    uniforms=uniform,
                     group=rollout_group,
                     synced=zero3(accelerator),
                 )
