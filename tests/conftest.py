@@ -29,6 +29,25 @@ def run_script(command, cwd, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=os.environ.copy(), timeout=timeout)
 
 
+def kill_after_rows(proc, output_dir, rows, group=False):
+    """SIGKILL a running script (with group=True its whole process group: a launcher and its processes) once it has
+    written `rows` rows of metrics.jsonl, as a crash would, possibly mid-checkpoint or mid-row. Returns the number of
+    rows then on disk."""
+    import signal
+    import time
+
+    path = os.path.join(output_dir, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= rows:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    (os.killpg if group else os.kill)(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return len(open(path).read().splitlines())
+
+
 @pytest.fixture
 def run():
     return run_script

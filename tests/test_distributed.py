@@ -4,13 +4,13 @@ both, the model saved once."""
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from conftest import kill_after_rows
+from test_reliability import without_eps
 from test_rloo import VOWELS, check_ok, read_metrics
 
 
@@ -177,10 +177,6 @@ def test_zero3_generation_waits_for_every_process(tmp_path, runs, one_process):
     assert_same_run(one_process("rloo.py"), two, "rloo.py")
 
 
-def without_eps(rows):
-    return [{k: v for k, v in r.items() if k != "eps"} for r in rows]
-
-
 @pytest.mark.parametrize(
     "script, config",
     [("rloo.py", "plain"), ("rloo.py", "zero2"), ("ppo.py", "zero2"), ("rloo.py", "zero3"), ("ppo.py", "zero3")],
@@ -199,15 +195,7 @@ def test_kill_then_resume_under_two_processes(script, config, tmp_path, runs):
 
     cut = tmp_path / "cut"
     proc = launch(2, script, f"{args} --output_dir {cut}", tmp_path, config_path, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(cut / "metrics.jsonl") and len(open(cut / "metrics.jsonl").read().splitlines()) >= 3:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert 3 <= len(open(cut / "metrics.jsonl").read().splitlines()) < 8
+    assert 3 <= kill_after_rows(proc, cut, 3, group=True) < 8
 
     check_ok(launch(2, script, f"{args} --output_dir {cut} --resume", tmp_path, config_path))
     resumed = read_metrics(cut)

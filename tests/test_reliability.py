@@ -3,14 +3,12 @@
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, kill_after_rows
 from test_rloo import check_ok, read_metrics
 
 SCRIPTS = {
@@ -44,15 +42,7 @@ def test_kill_then_resume_gives_the_uninterrupted_metrics(script, run, tmp_path,
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, first), *rest], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(cut / "metrics.jsonl") and len(open(cut / "metrics.jsonl").read().splitlines()) >= 4:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert 4 <= len(open(cut / "metrics.jsonl").read().splitlines()) < 10
+    assert 4 <= kill_after_rows(proc, cut, 4) < 10
 
     check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, cut, "--resume"), cwd=tmp_path))
     resumed = read_metrics(cut)
