@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import kill_after_rows
+from safetensors.torch import load_file
 from test_reliability import without_eps
 from test_rloo import VOWELS, check_ok, read_metrics
 
@@ -101,8 +102,6 @@ SAME = {
 def assert_same_run(one, two, script):
     """Two runs' metrics rows agree on what does not depend on the split (up to float rounding), and they
     saved the same model."""
-    from safetensors.torch import load_file
-
     rows_one, rows_two = read_metrics(one), read_metrics(two)
     assert [r["episode"] for r in rows_one] == [r["episode"] for r in rows_two]
     for a, b in zip(rows_one, rows_two):
@@ -136,6 +135,39 @@ def test_two_processes_match_one(script, config, tmp_path, runs, one_process):
     assert len(train) >= 2 and train[0]["objective/scores"] != train[-1]["objective/scores"]  # later rollouts moved
     if script == "rloo.py":  # completions stop at different steps
         assert 0 < train[0]["val/num_eos_tokens"] < 16
+
+
+def test_ppo_tldr_under_deepspeed_takes_the_steps_of_plain_data_parallelism(
+    tmp_path, tiny_model_dir, tiny_reward_model_dir, tldr_dir
+):
+    """ppo_tldr.py (the critic starts from the reward model, the score one past EOS, several epochs and mini-batches)
+    with 2 processes under each DeepSpeed config against 2 plain processes: the same split, so every metric agrees,
+    the evaluation and the saved policy too."""
+    from test_tldr import small
+
+    args = small("ppo_tldr.py", tldr_dir, tiny_model_dir, tiny_reward_model_dir, "{out}", "--learning_rate 1e-3")
+    args = args.split(" ", 1)[1].replace("--total_episodes 32", "--total_episodes 64")
+    runs = {}
+    for config in ["plain", "zero2", "zero3"]:
+        runs[config] = tmp_path / config
+        proc = launch(2, "ppo_tldr.py", args.format(out=runs[config]), tmp_path, shipped_config(config, 2, tmp_path))
+        check_ok(proc)
+    plain = read_metrics(runs["plain"])
+    assert len(plain) == 4  # 2 updates, 2 evaluations
+    trained = load_file(runs["plain"] / "model.safetensors")
+    assert any(not torch.equal(v, load_file(os.path.join(tiny_model_dir, "model.safetensors"))[k]) for k, v in trained.items())
+    for config in ["zero2", "zero3"]:
+        rows = read_metrics(runs[config])
+        assert [r.keys() for r in rows] == [r.keys() for r in plain]
+        for a, b in zip(plain, rows):
+            for k in a:
+                if "clipfrac" in k:  # counts of values past a threshold: a rounding difference can move one of them
+                    assert b[k] == pytest.approx(a[k], abs=0.05), (config, k)
+                elif k != "eps":
+                    assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), (config, k, a["episode"])
+        a, b = load_file(runs["plain"] / "model.safetensors"), load_file(runs[config] / "model.safetensors")
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 
 
 def test_zero3_generation_waits_for_every_process(tmp_path, runs, one_process):
