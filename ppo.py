@@ -171,7 +171,7 @@ class Args:
 
     # optimisation
     total_episodes: int = 320
-    """total completions to train on"""
+    """total completions to train on, a multiple of the batch"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass on each device"""
     gradient_accumulation_steps: int = 2
@@ -322,8 +322,13 @@ if __name__ == "__main__":
     if args.value_head_shared and args.value_model_path:
         die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
     args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -360,7 +365,11 @@ if __name__ == "__main__":
         if stop_token_id is None:
             die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
     queries_all, prompt_texts, _ = load_prompts(
-        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+        dataset_name=args.dataset_name,
+        split=args.dataset_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
     )
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
@@ -601,7 +610,11 @@ if __name__ == "__main__":
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
                         pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mb_mask)
                         vf_loss, vf_clipfrac = value_loss(
-                            vpred, values[micro_inds], returns[micro_inds], mb_value_mask, args.cliprange_value
+                            vpred,
+                            values=values[micro_inds],
+                            returns=returns[micro_inds],
+                            mask=mb_value_mask,
+                            cliprange_value=args.cliprange_value,
                         )
                         loss = pg_loss + args.vf_coef * vf_loss
                         if args.kl_penalty == "loss":
@@ -670,7 +683,13 @@ if __name__ == "__main__":
                 Console().print(table)
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update
         if args.kl_target is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon, args.batch_size)
+            kl_coef = adaptive_kl_coef(
+                kl_coef,
+                kl=metrics["objective/kl"],
+                kl_target=args.kl_target,
+                kl_horizon=args.kl_horizon,
+                n_steps=args.batch_size,
+            )
 
         # checkpoint after the metrics row, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:
@@ -683,7 +702,9 @@ if __name__ == "__main__":
                 "order": order,
                 "cursor": cursor,
             }
-            save_checkpoint(accelerator, last_checkpoint, model, optimizer, state, args.keep_checkpoints)
+            save_checkpoint(
+                accelerator, final=last_checkpoint, model=model, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+            )
 
     if args.save_model:
         accelerator.wait_for_everyone()

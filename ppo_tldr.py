@@ -171,8 +171,9 @@ class Args:
     """put the value head on the policy's trunk instead of training a separate critic"""
 
     # optimisation (the published run: 8 processes, 512 completions per update)
-    total_episodes: int = 1_000_000
-    """total completions to train on"""
+    total_episodes: int = 999_424
+    """total completions to train on, a multiple of the batch (999,424: 244 batches of 4,096 or 1,952 of 512, TRL's
+    1,000,000 rounded to a whole number of the 8-GPU batches)"""
     per_device_train_batch_size: int = 16
     """completions per forward/backward pass on each device"""
     gradient_accumulation_steps: int = 4
@@ -344,8 +345,13 @@ if __name__ == "__main__":
     if args.value_head_shared and args.value_model_path:
         die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
     args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     if args.eval_every < 0 or args.eval_examples < 1 or args.eval_batch_size < 1:
@@ -397,7 +403,11 @@ if __name__ == "__main__":
         if stop_token_id is None:
             die(f"tokenizer of {args.sft_model_path!r} has no EOS token; set --stop_token_id or --stop_token None")
     queries_all, prompt_texts, _ = load_prompts(
-        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+        dataset_name=args.dataset_name,
+        split=args.dataset_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
     )
     eval_queries, eval_texts, eval_refs = load_prompts(
         args.dataset_name, args.eval_split, args.prompt_field, tokenizer, args.max_prompt_length, args.reference_field
@@ -646,7 +656,11 @@ if __name__ == "__main__":
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
                         pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mb_mask)
                         vf_loss, vf_clipfrac = value_loss(
-                            vpred, values[micro_inds], returns[micro_inds], mb_value_mask, args.cliprange_value
+                            vpred,
+                            values=values[micro_inds],
+                            returns=returns[micro_inds],
+                            mask=mb_value_mask,
+                            cliprange_value=args.cliprange_value,
                         )
                         loss = pg_loss + args.vf_coef * vf_loss
                         if args.kl_penalty == "loss":
@@ -715,7 +729,13 @@ if __name__ == "__main__":
                 Console().print(table)
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update
         if args.kl_target is not None:
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon, args.batch_size)
+            kl_coef = adaptive_kl_coef(
+                kl_coef,
+                kl=metrics["objective/kl"],
+                kl_target=args.kl_target,
+                kl_horizon=args.kl_horizon,
+                n_steps=args.batch_size,
+            )
 
         # evaluate every eval_every episodes and at the end
         crossed = args.eval_every and episode // args.eval_every > (episode - args.batch_size) // args.eval_every
@@ -735,7 +755,9 @@ if __name__ == "__main__":
                 "order": order,
                 "cursor": cursor,
             }
-            save_checkpoint(accelerator, last_checkpoint, model, optimizer, state, args.keep_checkpoints)
+            save_checkpoint(
+                accelerator, final=last_checkpoint, model=model, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+            )
 
     if args.save_model:
         accelerator.wait_for_everyone()

@@ -139,7 +139,7 @@ class Args:
 
     # optimisation
     total_episodes: int = 512
-    """total completions to train on"""
+    """total completions to train on, a multiple of the batch"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass on each device"""
     gradient_accumulation_steps: int = 2
@@ -218,8 +218,13 @@ if __name__ == "__main__":
         )
     args.local_prompts = args.local_batch_size // args.rloo_k
     args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -256,7 +261,11 @@ if __name__ == "__main__":
         if stop_token_id is None:
             die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
     queries_all, prompt_texts, _ = load_prompts(
-        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+        dataset_name=args.dataset_name,
+        split=args.dataset_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
     )
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
@@ -378,10 +387,14 @@ if __name__ == "__main__":
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
                 # logprobs of the distribution sampled from: logits / temperature
                 keep = response.shape[1] + 1
-                logits = forward_grouped(unwrapped, query_response, mask, context_length, rollout_group, keep)
+                logits = forward_grouped(
+                    unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                )
                 logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
                 with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
-                    ref_logits = forward_grouped(ref, query_response, mask, context_length, rollout_group, keep)
+                    ref_logits = forward_grouped(
+                        ref, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                    )
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
 
                 # 2. scores: the reward model at the last real token, or the reward function on the decoded text
@@ -456,9 +469,9 @@ if __name__ == "__main__":
                             policy,
                             query_responses[micro_inds],
                             attention_mask[micro_inds],
-                            context_length,
-                            train_group,
-                            width + 1,
+                            context_length=context_length,
+                            group=train_group,
+                            logits_to_keep=width + 1,
                         )[:, :-1]
                         new_logprobs, entropy = logprobs_from_logits(
                             logits, responses[micro_inds], args.temperature, with_entropy=True
@@ -534,7 +547,9 @@ if __name__ == "__main__":
                 "order": order,
                 "cursor": cursor,
             }
-            save_checkpoint(accelerator, last_checkpoint, policy, optimizer, state, args.keep_checkpoints)
+            save_checkpoint(
+                accelerator, final=last_checkpoint, model=policy, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+            )
 
     if args.save_model:
         accelerator.wait_for_everyone()

@@ -140,8 +140,9 @@ class Args:
     """normalise advantages to zero mean and unit std over the batch"""
 
     # optimisation (the published run: 8 processes, 4,096 completions per update)
-    total_episodes: int = 1_000_000
-    """total completions to train on"""
+    total_episodes: int = 999_424
+    """total completions to train on, a multiple of the batch (999,424: 244 batches of 4,096 or 1,952 of 512, TRL's
+    1,000,000 rounded to a whole number of the 8-GPU batches)"""
     per_device_train_batch_size: int = 16
     """completions per forward/backward pass on each device"""
     gradient_accumulation_steps: int = 16
@@ -241,8 +242,13 @@ if __name__ == "__main__":
         )
     args.local_prompts = args.local_batch_size // args.rloo_k
     args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        die(f"--total_episodes {args.total_episodes} is less than one batch of {args.batch_size} completions")
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     if args.eval_every < 0 or args.eval_examples < 1 or args.eval_batch_size < 1:
@@ -294,7 +300,11 @@ if __name__ == "__main__":
         if stop_token_id is None:
             die(f"tokenizer of {args.sft_model_path!r} has no EOS token; set --stop_token_id or --stop_token None")
     queries_all, prompt_texts, _ = load_prompts(
-        args.dataset_name, args.dataset_split, args.prompt_field, tokenizer, args.max_prompt_length
+        dataset_name=args.dataset_name,
+        split=args.dataset_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
     )
     eval_queries, eval_texts, eval_refs = load_prompts(
         args.dataset_name, args.eval_split, args.prompt_field, tokenizer, args.max_prompt_length, args.reference_field
@@ -424,10 +434,14 @@ if __name__ == "__main__":
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
                 # logprobs of the distribution sampled from: logits / temperature
                 keep = response.shape[1] + 1
-                logits = forward_grouped(unwrapped, query_response, mask, context_length, rollout_group, keep)
+                logits = forward_grouped(
+                    unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                )
                 logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
                 with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
-                    ref_logits = forward_grouped(ref, query_response, mask, context_length, rollout_group, keep)
+                    ref_logits = forward_grouped(
+                        ref, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                    )
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
 
                 # 2. scores: the reward model at the last real token
@@ -502,9 +516,9 @@ if __name__ == "__main__":
                             policy,
                             query_responses[micro_inds],
                             attention_mask[micro_inds],
-                            context_length,
-                            train_group,
-                            width + 1,
+                            context_length=context_length,
+                            group=train_group,
+                            logits_to_keep=width + 1,
                         )[:, :-1]
                         new_logprobs, entropy = logprobs_from_logits(
                             logits, responses[micro_inds], args.temperature, with_entropy=True
@@ -587,7 +601,9 @@ if __name__ == "__main__":
                 "order": order,
                 "cursor": cursor,
             }
-            save_checkpoint(accelerator, last_checkpoint, policy, optimizer, state, args.keep_checkpoints)
+            save_checkpoint(
+                accelerator, final=last_checkpoint, model=policy, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+            )
 
     if args.save_model:
         accelerator.wait_for_everyone()

@@ -128,7 +128,11 @@ BAD_REWARDS = {
         ("reward_text", "list of numbers"),
         ("rloo_k_1", "--rloo_k must be at least 2"),
         ("batch_not_divisible", "must be a multiple of --rloo_k"),
-        ("too_few_episodes", "less than one batch"),
+        ("too_few_episodes", "must be a positive multiple of the batch of 4 completions"),
+        (
+            "episodes_not_a_multiple",
+            "must be a positive multiple of the batch of 4 completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): try 8 or 12",
+        ),
         ("reward_model_labels", "num_labels=2"),
         ("output_dir_taken", "already holds a run"),
         ("no_stop_token", "has no EOS token"),
@@ -170,6 +174,8 @@ def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_mode
         args["--rloo_k"] = 3
     elif case == "too_few_episodes":
         args["--total_episodes"] = 2
+    elif case == "episodes_not_a_multiple":
+        args["--total_episodes"] = 10
     elif case == "reward_model_labels":
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
