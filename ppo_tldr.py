@@ -1,5 +1,6 @@
 """PPO on the TL;DR summarisation benchmark: a Pythia SFT policy learns to write Reddit TL;DRs that a reward model
-prefers, with evaluation by that reward model and by an LLM judge against the reference summaries.
+prefers, evaluated by that reward model during training; an LLM judge compares the summaries it writes with the
+reference summaries afterwards (benchmark/judge_tldr.py).
 
 The algorithm is ppo.py's (a critic initialised from the reward model, per-token KL penalty, the score on one token,
 GAE, clipped policy and value losses); this file adds the TL;DR setup (Stiennon et al. 2020) as the N+ implementation
@@ -8,8 +9,10 @@ details study (Huang et al. 2024, https://arxiv.org/abs/2403.17031) and TRL's be
 PPOTrainer placed it, and evaluation of greedy summaries on the validation split.
 
 Reproduce the 1B run (8 GPUs; see README.md for the expected win rates):
-    accelerate launch --config_file configs/deepspeed_zero2.yaml ppo_tldr.py \
-        --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini
+    accelerate launch --config_file configs/deepspeed_zero2.yaml ppo_tldr.py --output_dir output/ppo_tldr \
+        --eval_long_prompts truncate
+    python benchmark/judge_tldr.py --samples output/ppo_tldr --judge_base_url https://api.openai.com/v1 \
+        --judge_model gpt-4o-mini --protocol trl
 On one GPU (same global batch, 8x the gradient accumulation):
     python ppo_tldr.py --gradient_accumulation_steps 32
 """
@@ -41,7 +44,6 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from utils import (
     INVALID_LOGPROB,
     check_accelerate_config,
-    check_judge,
     check_resume_args,
     die,
     disable_dropout,
@@ -207,19 +209,9 @@ class Args:
     """how many eval-split prompts to summarise (the published win rates use the first 1,000)"""
     eval_batch_size: int = 64
     """summaries generated per forward pass in the evaluation, per process"""
-    judge_base_url: Optional[str] = None
-    """an OpenAI-compatible API (https://api.openai.com/v1, a vLLM server, ...) whose model judges each greedy summary
-    against the reference; None: no judge, the reward-model evaluation still runs"""
-    judge_model: str = "gpt-4o-mini"
-    """the judge's model name"""
-    judge_api_key_env: str = "OPENAI_API_KEY"
-    """the environment variable holding the judge's API key (unset: no key is sent)"""
-    judge_timeout: float = 60.0
-    """seconds before a judge request counts as failed"""
-    judge_retries: int = 2
-    """extra attempts for a failed judge request, with backoff"""
-    judge_workers: int = 16
-    """judge requests in flight at once"""
+    eval_long_prompts: Literal["drop", "truncate"] = "drop"
+    """eval prompts longer than --max_prompt_length: drop them (the N+ study's filter), or keep their last
+    max_prompt_length tokens (TRL's evaluation takes the first eval_examples prompts, none dropped)"""
 
     # to be filled in at runtime
     distributed_type: str = ""
@@ -356,8 +348,6 @@ if __name__ == "__main__":
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     if args.eval_every < 0 or args.eval_examples < 1 or args.eval_batch_size < 1:
         die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
-    if args.judge_timeout <= 0 or args.judge_retries < 0 or args.judge_workers < 1:
-        die("--judge_timeout must be positive, --judge_retries >= 0 and --judge_workers >= 1")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
     if args.resume and not list_checkpoints(args.output_dir):
@@ -374,18 +364,6 @@ if __name__ == "__main__":
             die("--use_peft needs the peft package: pip install peft")
         if args.lora_r < 1:
             die(f"--lora_r must be at least 1, got {args.lora_r}")
-    judge = None
-    if args.judge_base_url:
-        judge = {
-            "base_url": args.judge_base_url,
-            "model": args.judge_model,
-            "api_key": os.environ.get(args.judge_api_key_env),
-            "timeout": args.judge_timeout,
-            "retries": args.judge_retries,
-            "workers": args.judge_workers,
-        }
-        if accelerator.is_main_process:
-            check_judge(judge)
 
     # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
     # come from a generator shared by all processes
@@ -410,7 +388,13 @@ if __name__ == "__main__":
         max_prompt_length=args.max_prompt_length,
     )
     eval_queries, eval_texts, eval_refs = load_prompts(
-        args.dataset_name, args.eval_split, args.prompt_field, tokenizer, args.max_prompt_length, args.reference_field
+        dataset_name=args.dataset_name,
+        split=args.eval_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
+        reference_field=args.reference_field,
+        long_prompts=args.eval_long_prompts,
     )
     eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
     policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
@@ -497,11 +481,26 @@ if __name__ == "__main__":
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
     # logs open after the resume, so that a resumed run continues its own
     writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
-    eval_args = (tokenizer, reward_model, rm_tokenizer, eval_set, args.response_length, stop_token_id, args.eval_batch_size)
-    if not args.resume:  # the SFT policy's evaluation, the baseline of the curves
-        eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(model).policy, *eval_args, judge, args.seed)
+
+    def evaluate_and_record(episode):
+        """greedy summaries of the eval prompts scored by the reward model: a metrics row, and the samples that
+        benchmark/judge_tldr.py judges after the run"""
+        eval_metrics, samples = evaluate(
+            accelerator,
+            policy=accelerator.unwrap_model(model).policy,
+            tokenizer=tokenizer,
+            reward_model=reward_model,
+            rm_tokenizer=rm_tokenizer,
+            eval_set=eval_set,
+            response_length=args.response_length,
+            stop_token_id=stop_token_id,
+            batch_size=args.eval_batch_size,
+        )
         if accelerator.is_main_process:
-            record_eval(args.output_dir, episode, eval_metrics, samples, writer)
+            record_eval(args.output_dir, episode=episode, metrics=eval_metrics, samples=samples, writer=writer)
+
+    if not args.resume:  # the SFT policy's evaluation, the baseline of the curves
+        evaluate_and_record(episode)
     start_episode, start_time = episode, time.time()
     for update in tqdm(
         range(start_update, args.num_updates + 1),
@@ -740,9 +739,7 @@ if __name__ == "__main__":
         # evaluate every eval_every episodes and at the end
         crossed = args.eval_every and episode // args.eval_every > (episode - args.batch_size) // args.eval_every
         if update == args.num_updates or crossed:
-            eval_metrics, samples = evaluate(accelerator, accelerator.unwrap_model(model).policy, *eval_args, judge, args.seed)
-            if accelerator.is_main_process:
-                record_eval(args.output_dir, episode, eval_metrics, samples, writer)
+            evaluate_and_record(episode)
 
         # checkpoint after the metrics rows, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:
@@ -787,3 +784,7 @@ if __name__ == "__main__":
             tokenizer.save_pretrained(args.output_dir)
     if accelerator.is_main_process:
         writer.close()
+        print(
+            f"judge the final summaries against the references: python benchmark/judge_tldr.py --samples {args.output_dir}"
+            " --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini"
+        )

@@ -1,24 +1,20 @@
-"""What the scripts would otherwise copy verbatim: loading, sampling, rewards, logprobs, KL, masked statistics,
-checkpoints, and the TL;DR scripts' evaluation (reward-model score of greedy summaries, a judge's win rate).
+"""What two or more scripts would otherwise copy verbatim: loading models, tokenizers and prompts; process setup;
+sampling and generation; rewards and scoring; forward passes and chunked logprobs; KL estimators; masked statistics;
+checkpoints, resume and logs; and the TL;DR scripts' reward-model evaluation.
 
-Everything algorithm-specific (baselines, advantages, losses) stays in the scripts.
+Everything algorithm-specific (baselines, advantages, losses, value heads) stays in the scripts, and the LLM judge of
+the TL;DR runs is its own script, benchmark/judge_tldr.py, run after (or beside) the training.
 """
 
 import copy
-import http.client
 import importlib
 import importlib.util
 import json
 import math
 import os
 import random
-import re
 import secrets
 import shutil
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -183,13 +179,14 @@ def same_vocabulary(tokenizer, other):
     return vocab(tokenizer) == vocab(other) and tokenizer.eos_token_id == other.eos_token_id
 
 
-def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None):
+def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None, long_prompts="drop"):
     """Tokenized prompts (list of token-id lists), their texts and their reference completions (the column
     reference_field, stripped; None each without it), from a hub id or a local file or folder.
 
     A column of chat messages ([{"role": ..., "content": ...}, ...]) goes through the tokenizer's chat template with the
     generation prompt added; a column of strings is tokenized as it is. Prompts longer than max_prompt_length tokens
-    are dropped."""
+    are dropped, or with long_prompts="truncate" keep their last max_prompt_length tokens (so a prompt still ends with
+    its cue, "TL;DR:" or the chat template's generation prompt) and their whole text."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -230,6 +227,8 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
             die(f"column {prompt_field!r} must hold strings or chat messages, got {type(value).__name__}")
         if reference_field and not isinstance(ref, str):
             die(f"column {reference_field!r} must hold strings, got {type(ref).__name__}")
+        if long_prompts == "truncate":
+            ids = ids[-max_prompt_length:]
         if 0 < len(ids) <= max_prompt_length:
             queries.append(list(ids))
             texts.append(text)
@@ -650,8 +649,7 @@ def load_checkpoint(accelerator, path, model, optimizer):
 RESUMABLE = {
     "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
     "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size", "judge_base_url", "judge_model", "judge_api_key_env", "judge_timeout",
-    "judge_retries", "judge_workers",
+    "gradient_checkpointing", "eval_batch_size",
 }  # fmt: skip
 
 
@@ -727,89 +725,6 @@ def truncate_metrics(path, episode):
 # ---------------------------------------------------------------------------------------------------------------------
 # evaluation (the TL;DR scripts)
 
-JUDGE_PROMPT = """Two summaries of the same Reddit post follow. The better summary states the post's most important \
-points accurately and concisely, and adds nothing that the post does not say.
-
-Post:
-{post}
-
-Summary A:
-{a}
-
-Summary B:
-{b}
-
-Which summary is better? Answer with one letter, A or B, and nothing else."""
-
-
-class JudgeError(Exception):
-    pass
-
-
-def ask_judge(judge, prompt):
-    """One request to an OpenAI-compatible chat-completions endpoint -> the reply's text, or JudgeError saying why not.
-    judge: dict(base_url, model, api_key (None: no Authorization header), timeout, retries, workers)."""
-    body = json.dumps({"model": judge["model"], "messages": [{"role": "user", "content": prompt}], "temperature": 0})
-    headers = {"Content-Type": "application/json"}
-    if judge["api_key"]:
-        headers["Authorization"] = f"Bearer {judge['api_key']}"
-    request = urllib.request.Request(judge["base_url"].rstrip("/") + "/chat/completions", body.encode(), headers)
-    try:
-        with urllib.request.urlopen(request, timeout=judge["timeout"]) as response:
-            reply = json.loads(response.read())
-        return str(reply["choices"][0]["message"]["content"])
-    except urllib.error.HTTPError as e:
-        raise JudgeError(f"HTTP {e.code}: {e.read(200).decode(errors='replace').strip()}") from None
-    except (OSError, http.client.HTTPException) as e:  # refused, unreachable, timed out, cut off
-        raise JudgeError(str(getattr(e, "reason", e)) or type(e).__name__) from None
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise JudgeError("the reply is not a chat completion") from None
-
-
-def parse_verdict(text):
-    """'A' or 'B' when the judge's reply starts with that letter as a word ("A", "**B**", "A."), else None."""
-    match = re.match(r"\W*([AB])\b", text)
-    return match.group(1) if match else None
-
-
-def judge_pairs(judge, posts, summaries, references, seed):
-    """Ask the judge, for each post, whether the summary beats the reference; each pair is shown in a random order
-    (seeded) so that a judge's bias for the first or second position cancels out. Calls run in judge["workers"]
-    threads, each retried judge["retries"] times. Returns (wins, first_error): wins[i] is True, False, or None when
-    every attempt failed (timeout, HTTP error, or a reply that is not A or B)."""
-    rng = random.Random(seed)
-    swapped = [rng.random() < 0.5 for _ in posts]  # True: the summary is shown as B
-
-    def one(i):
-        a, b = (references[i], summaries[i]) if swapped[i] else (summaries[i], references[i])
-        prompt = JUDGE_PROMPT.format(post=posts[i], a=a, b=b)
-        for attempt in range(judge["retries"] + 1):
-            try:
-                reply = ask_judge(judge, prompt)
-                verdict = parse_verdict(reply)
-                if verdict is None:
-                    raise JudgeError(f"the reply {reply[:60]!r} is neither A nor B")
-                return (verdict == "B") == swapped[i], None
-            except JudgeError as e:
-                error = str(e)
-                if attempt < judge["retries"]:
-                    time.sleep(min(2**attempt, 30))  # back off: rate limits are the usual cause
-        return None, error
-
-    with ThreadPoolExecutor(judge["workers"]) as pool:
-        results = list(pool.map(one, range(len(posts))))
-    return [win for win, _ in results], next((error for _, error in results if error), None)
-
-
-def check_judge(judge):
-    """One test request before any training, so a wrong URL, model or key is a one-line error, not a failure later."""
-    try:
-        reply = ask_judge(judge, JUDGE_PROMPT.format(post="The cat sat on the mat.", a="A cat sat.", b="Dogs bark."))
-    except JudgeError as e:
-        die(f"judge {judge['model']!r} at {judge['base_url']} failed a test request: {e}")
-    if parse_verdict(reply) is None:
-        die(f"judge {judge['model']!r} at {judge['base_url']} answered a test request with {reply[:60]!r}, not A or B")
-
 
 @torch.no_grad()
 def evaluate(
@@ -822,12 +737,11 @@ def evaluate(
     response_length,
     stop_token_id,
     batch_size,
-    judge=None,
-    seed=0,
 ):
-    """Greedy completions of the eval prompts, their reward-model scores, and, with a judge, their win rate against
-    the reference completions. eval_set = (queries, prompt texts, references) from load_prompts. Each process takes
-    every world_size-th prompt. Returns (metrics, samples) on the main process, (None, None) on the others."""
+    """Greedy completions of the eval prompts and their reward-model scores; the samples (prompt, reference, completion,
+    score) are what benchmark/judge_tldr.py judges after the run. eval_set = (queries, prompt texts, references) from
+    load_prompts. Each process takes every world_size-th prompt. Returns (metrics, samples) on the main process, (None,
+    None) on the others."""
     queries, texts, references = eval_set
     device = accelerator.device
     synced = zero3(accelerator)
@@ -881,19 +795,6 @@ def evaluate(
         "eval/response_length": sum(s["length"] for s in samples) / len(samples),
         "eval/stopped_fraction": sum(s["stopped"] for s in samples) / len(samples),
     }
-    if judge is not None:
-        wins, error = judge_pairs(
-            judge, [s["prompt"] for s in samples], [s["completion"] for s in samples], [s["reference"] for s in samples], seed
-        )
-        for s, win in zip(samples, wins):
-            s["win"] = win
-        judged = [w for w in wins if w is not None]
-        metrics["eval/judged"] = len(judged)
-        metrics["eval/judge_failures"] = len(wins) - len(judged)
-        if judged:
-            metrics["eval/win_rate"] = sum(judged) / len(judged)
-        if error:
-            print(f"warning: {len(wins) - len(judged)} of {len(wins)} judge calls failed; the first said: {error}")
     return metrics, samples
 
 

@@ -129,10 +129,7 @@ BAD_REWARDS = {
         ("rloo_k_1", "--rloo_k must be at least 2"),
         ("batch_not_divisible", "must be a multiple of --rloo_k"),
         ("too_few_episodes", "must be a positive multiple of the batch of 4 completions"),
-        (
-            "episodes_not_a_multiple",
-            "must be a positive multiple of the batch of 4 completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): try 8 or 12",
-        ),
+        ("episodes_not_a_multiple", "x num_mini_batches): try 8 or 12"),
         ("reward_model_labels", "num_labels=2"),
         ("output_dir_taken", "already holds a run"),
         ("no_stop_token", "has no EOS token"),
