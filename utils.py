@@ -526,7 +526,7 @@ def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=False, bu
         # 4 MB of float32 fits a CPU's cache; on a GPU each chunk costs a dozen kernel launches, so chunks are larger
         # (64 MB: a 150k vocabulary at 100 positions, with a few times that in scratch memory)
         budget = 1 << 20 if logits.device.type == "cpu" else 1 << 24
-    picked, entropy = _LogProbs.apply(logits, tokens, temperature, budget, with_entropy)
+    picked, entropy = _LogProbs.apply(logits, tokens, temperature, budget, with_entropy)  # apply() takes no keywords
     return (picked, entropy) if with_entropy else picked
 
 
@@ -756,7 +756,15 @@ def evaluate(
             idx = mine[start : start + batch_size]
             query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
             query, query_mask = query.to(device), query_mask.to(device)
-            response = generate(policy, query, query_mask, response_length, 0.0, stop_token_id, synced=synced)
+            response = generate(
+                policy,
+                query,
+                query_mask,
+                response_length=response_length,
+                temperature=0.0,  # greedy
+                stop_token_id=stop_token_id,
+                synced=synced,
+            )
             response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
             rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
             query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
