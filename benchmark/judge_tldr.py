@@ -10,11 +10,14 @@ Two protocols:
   prompt, max_tokens=1, the API's default temperature, a reply counts only if it is exactly "0" or "1", and a failed
   judgement counts as a loss.
 
-RUN is a run's output_dir (output/rloo_tldr__1__1718000000, say); the key is read from OPENAI_API_KEY:
-    python benchmark/judge_tldr.py --samples $RUN --judge_base_url https://api.openai.com/v1
-    python benchmark/judge_tldr.py --samples $RUN --judge_base_url https://api.openai.com/v1 --protocol trl --num_examples 1000
-    python benchmark/judge_tldr.py --samples $RUN --judge_base_url https://api.openai.com/v1 --all_evaluations
-    python benchmark/judge_tldr.py --samples $RUN --against $OTHER_RUN --judge_base_url https://api.openai.com/v1
+With the runs of README.md's commands (--output_dir output/rloo_tldr, output/ppo_tldr); the key is read from
+OPENAI_API_KEY:
+    python benchmark/judge_tldr.py --samples output/rloo_tldr --judge_base_url https://api.openai.com/v1
+    python benchmark/judge_tldr.py --samples output/rloo_tldr --judge_base_url https://api.openai.com/v1 \
+        --protocol trl --num_examples 1000
+    python benchmark/judge_tldr.py --samples output/rloo_tldr --judge_base_url https://api.openai.com/v1 --all_evaluations
+    python benchmark/judge_tldr.py --samples output/rloo_tldr --against output/ppo_tldr \
+        --judge_base_url https://api.openai.com/v1
 A local judge: vllm serve Qwen/Qwen2.5-7B-Instruct, then --judge_base_url http://localhost:8000/v1 --judge_model
 Qwen/Qwen2.5-7B-Instruct.
 
