@@ -12,7 +12,7 @@ Reproduce the 1B run (8 GPUs; see README.md for the expected win rates):
     accelerate launch --config_file configs/deepspeed_zero2.yaml rloo_tldr.py --output_dir output/rloo_tldr \
         --eval_long_prompts truncate
     python benchmark/judge_tldr.py --samples output/rloo_tldr --judge_base_url https://api.openai.com/v1 \
-        --judge_model gpt-4o-mini --protocol trl
+        --judge_model gpt-4o-mini --protocol trl --num_examples 1000
 On one GPU (same global batch, 8x the gradient accumulation):
     python rloo_tldr.py --gradient_accumulation_steps 128
 """
