@@ -57,6 +57,7 @@ from utils import (
     load_checkpoint,
     load_pretrained,
     load_prompts,
+    load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
     masked_mean,
@@ -66,12 +67,14 @@ from utils import (
     process_group_kwargs,
     record_eval,
     reference_model,
-    same_vocabulary,
+    reward_stats,
     save_checkpoint,
     scalar_forward,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    weighted_scores,
+    write_completions,
     write_eval_json,
     zero3,
 )
@@ -108,6 +111,20 @@ class Args:
     """the SFT policy (init and reference): a hub id or a folder"""
     reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
     """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """reward functions besides the reward model: 'sentiment', 'accuracy', 'path/to/file.py:function' or
+    'package.module:function', called as fn(prompts, completions, **columns); repeatable"""
+    reward_url: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """reward servers besides the reward model: POST {"prompts", "completions", <columns>} -> {"rewards": [...]}
+    (README); repeatable"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: the reward model, functions, servers (each as given); default all 1"""
+    reward_url_batch_size: int = 64
+    """completions per request to a reward server"""
+    reward_url_timeout: float = 60.0
+    """seconds before a reward-server request counts as failed"""
+    reward_url_retries: int = 3
+    """extra attempts for a failed reward-server request, after 1, 2, 4, ... seconds"""
     dataset_name: str = "trl-lib/tldr"
     """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
     dataset_split: str = "train"
@@ -136,6 +153,9 @@ class Args:
     """completions generated and scored per forward pass in the rollout"""
     num_sample_generations: int = 10
     """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
 
     # algorithm
     kl_coef: float = 0.05
@@ -380,14 +400,14 @@ if __name__ == "__main__":
         stop_token_id = tokenizer.eos_token_id
         if stop_token_id is None:
             die(f"tokenizer of {args.sft_model_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-    queries_all, prompt_texts, _ = load_prompts(
+    queries_all, prompt_texts, _, columns = load_prompts(
         dataset_name=args.dataset_name,
         split=args.dataset_split,
         prompt_field=args.prompt_field,
         tokenizer=tokenizer,
         max_prompt_length=args.max_prompt_length,
     )
-    eval_queries, eval_texts, eval_refs = load_prompts(
+    eval_queries, eval_texts, eval_refs, _ = load_prompts(
         dataset_name=args.dataset_name,
         split=args.eval_split,
         prompt_field=args.prompt_field,
@@ -406,13 +426,9 @@ if __name__ == "__main__":
         ref_policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
-    reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
-    if reward_model.config.num_labels != 1:
-        die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
-    rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-    if same_vocabulary(tokenizer, rm_tokenizer):
-        rm_tokenizer = None  # score the policy's tokens directly
-    reward_model.eval().requires_grad_(False)
+    # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), functions, servers
+    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=[args.reward_model_path])
+    reward_model, rm_tokenizer = sources[0]["model"], sources[0]["tokenizer"]
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
     # the critic: a sequence-classification model whose score head reads every position
@@ -456,7 +472,11 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
-    ref_policy, reward_model = prepare_frozen(accelerator, ref_policy), prepare_frozen(accelerator, reward_model)
+    ref_policy = prepare_frozen(accelerator, ref_policy)
+    for source in sources:
+        if "model" in source:
+            source["model"] = prepare_frozen(accelerator, source["model"])
+    reward_model = sources[0]["model"]
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
     # each process takes its own slice of the global draw
@@ -477,6 +497,8 @@ if __name__ == "__main__":
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            if args.log_completions:
+                truncate_metrics(os.path.join(args.output_dir, "completions.jsonl"), episode)
             write_eval_json(args.output_dir)
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
     # logs open after the resume, so that a resumed run continues its own
@@ -530,13 +552,14 @@ if __name__ == "__main__":
         queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         queries, query_mask = queries.to(device), query_mask.to(device)
         texts = [prompt_texts[i] for i in idx]
+        batch_columns = {name: [values[i] for i in idx] for name, values in columns.items()}
         context_length = queries.shape[1]
 
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(model)
-            responses, logprobs, ref_logprobs, values, scores, lengths = [], [], [], [], [], []
+            responses, logprobs, ref_logprobs, values, per_source, lengths = [], [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
@@ -566,19 +589,18 @@ if __name__ == "__main__":
                     ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
 
-                # 2. scores: the reward model at the last real token
-                prompts = texts[i : i + len(query)]
-                scores.append(
+                # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
+                # last real token, functions and servers the decoded text and the rows' dataset columns
+                per_source.append(
                     get_scores(
-                        reward_model=reward_model,
-                        rm_tokenizer=rm_tokenizer,
-                        reward_fn=None,
+                        sources,
                         tokenizer=tokenizer,
                         query_responses=query_response,
                         mask=mask,
                         context_length=context_length,
                         lengths=length,
-                        prompts=prompts,
+                        prompts=texts[i : i + len(query)],
+                        columns={name: values[i : i + len(query)] for name, values in batch_columns.items()},
                         stop_token_id=stop_token_id,
                     )
                 )
@@ -593,7 +615,9 @@ if __name__ == "__main__":
             # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
             # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
             values = torch.cat([F.pad(v, (0, width + 1 - v.shape[1])) for v in values])[:, :width]
-            scores = torch.cat(scores)
+            per_source = torch.cat(per_source, 1)  # (sources, local batch)
+            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
+            scores, scored = weighted_scores(per_source, sources)
             lengths = torch.cat(lengths)
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -614,13 +638,16 @@ if __name__ == "__main__":
             non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
             rewards, value_mask = place_scores(non_score_reward, scores, lengths, args.score_position)
             rlhf_reward = rewards.sum(1)
+            # a completion that no reward source scored takes no part in the update: no value target, no advantage
+            value_mask = value_mask & scored[:, None]
+            train_mask = ~padding_mask & scored[:, None]
             if args.whiten_rewards:
                 rewards = masked_whiten(rewards, value_mask, False, reduce_sum).masked_fill(~value_mask, 0.0)
 
             # 4. advantages: GAE over real tokens, then whitened over those of all processes
             values = values.masked_fill(~value_mask, 0.0)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, ~padding_mask, reduce=reduce_sum).masked_fill(padding_mask, 0.0)
+            advantages = masked_whiten(advantages, train_mask, reduce=reduce_sum).masked_fill(~train_mask, 0.0)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
         model.train(args.gradient_checkpointing)
@@ -638,7 +665,7 @@ if __name__ == "__main__":
                 for ga, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
                     with accelerator.accumulate(model):
                         micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
-                        mb_mask, mb_value_mask = ~padding_mask[micro_inds], value_mask[micro_inds]
+                        mb_mask, mb_value_mask = train_mask[micro_inds], value_mask[micro_inds]
                         logits, vpred = model(query_responses[micro_inds], attention_mask[micro_inds], width + 1)
                         logits = logits[:, :-1]
                         vpred = vpred[:, context_length - 1 : -1].masked_fill(~mb_value_mask, 0.0)
@@ -698,7 +725,6 @@ if __name__ == "__main__":
                 "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.sum(1).mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
-                "objective/scores": scores.mean(),
                 "val/response_length": lengths.float().mean(),
                 "policy/approxkl_avg": approxkl_stats[done].mean(),
                 "policy/clipfrac_avg": pg_clipfrac_stats[done].mean(),
@@ -712,9 +738,17 @@ if __name__ == "__main__":
             }
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+            # the weighted score over the completions some source scored; each source's own statistics
+            scored_sum, num_scored = accelerator.reduce(
+                torch.stack([scores.masked_fill(~scored, 0.0).sum(), scored.float().sum()]), reduction="sum"
+            ).tolist()
+            source_stats = reward_stats(accelerator, per_source, sources)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
+        metrics["objective/scores"] = scored_sum / max(num_scored, 1)
+        metrics["objective/unscored"] = args.batch_size - num_scored
+        metrics.update(source_stats)
         metrics["objective/kl_coef"] = kl_coef
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
@@ -722,10 +756,26 @@ if __name__ == "__main__":
             for k, v in metrics.items():
                 writer.add_scalar(k, v, episode)
             if sample_every and (update - 1) % sample_every == 0:
-                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
-                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
-                    table.add_row(q, r, f"{s.item():.3f}")
+                names = [source["name"] for source in sources]
+                table = Table("query", "response", *names, "score", title=f"update {update}", show_lines=True)
+                decoded = tokenizer.batch_decode(responses[:4], skip_special_tokens=True)
+                for j, (q, r) in enumerate(zip(texts[:4], decoded)):
+                    rewards = [f"{v:.3f}" for v in per_source[:, j].tolist()]  # nan: that source could not judge it
+                    table.add_row(q, r, *rewards, f"{scores[j].item():.3f}" if scored[j] else "-")
                 Console().print(table)
+        if args.log_completions:
+            write_completions(
+                accelerator,
+                args,
+                episode=episode,
+                update=update,
+                prompts=texts,
+                completions=tokenizer.batch_decode(responses, skip_special_tokens=True),
+                per_source=per_source,
+                sources=sources,
+                scores=scores.masked_fill(~scored, float("nan")),
+                advantages=masked_mean(advantages, train_mask, dim=1),
+            )
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update
         if args.kl_target is not None:
             kl_coef = adaptive_kl_coef(

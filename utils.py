@@ -7,14 +7,21 @@ the TL;DR runs is its own script, benchmark/judge_tldr.py, run after (or beside)
 """
 
 import copy
+import http.client
 import importlib
 import importlib.util
+import inspect
 import json
 import math
+import numbers
 import os
 import random
+import re
 import secrets
 import shutil
+import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 
 import numpy as np
@@ -180,8 +187,9 @@ def same_vocabulary(tokenizer, other):
 
 
 def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None, long_prompts="drop"):
-    """Tokenized prompts (list of token-id lists), their texts and their reference completions (the column
-    reference_field, stripped; None each without it), from a hub id or a local file or folder.
+    """Tokenized prompts (list of token-id lists), their texts, their reference completions (the column
+    reference_field, stripped; None each without it) and the rows' other columns ({name: list}, for reward functions
+    and servers), from a hub id or a local file or folder.
 
     A column of chat messages ([{"role": ..., "content": ...}, ...]) goes through the tokenizer's chat template with the
     generation prompt added; a column of strings is tokenized as it is. Prompts longer than max_prompt_length tokens
@@ -213,8 +221,8 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
             die(f"dataset {dataset_name!r} (split {split!r}) has no column {field!r} (columns: {ds.column_names}); set {flag}")
 
     references = ds[reference_field] if reference_field else [None] * len(ds)
-    queries, texts, refs = [], [], []
-    for value, ref in zip(ds[prompt_field], references):
+    queries, texts, refs, kept = [], [], [], []
+    for row, (value, ref) in enumerate(zip(ds[prompt_field], references)):
         if isinstance(value, list):
             if tokenizer.chat_template is None:
                 die(f"column {prompt_field!r} holds chat messages but the tokenizer has no chat template")
@@ -233,9 +241,15 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
             queries.append(list(ids))
             texts.append(text)
             refs.append(ref.strip() if ref is not None else None)
+            kept.append(row)
     if not queries:
         die(f"every prompt in {dataset_name!r} is empty or longer than --max_prompt_length {max_prompt_length} tokens")
-    return queries, texts, refs
+    columns = {}
+    for name in ds.column_names:
+        if name != prompt_field:
+            values = ds[name]
+            columns[name] = [values[row] for row in kept]
+    return queries, texts, refs, columns
 
 
 def left_pad(seqs, pad_token_id):
@@ -250,79 +264,175 @@ def left_pad(seqs, pad_token_id):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# rewards
+# rewards: reward models, reward functions and reward servers, summed with weights
 
 
-def sentiment_reward(prompts, completions):
-    """The built-in reward: VADER's compound sentiment score of each completion, in [-1, 1]."""
+def sentiment_reward(prompts, completions, **columns):
+    """The built-in reward `sentiment`: VADER's compound sentiment score of each completion, in [-1, 1]."""
     from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
     analyzer = SentimentIntensityAnalyzer()
     return [analyzer.polarity_scores(c)["compound"] for c in completions]
 
 
-def load_reward_fn(spec):
-    """`sentiment`, `path/to/file.py:function` or `package.module:function` -> the function."""
-    if spec == "sentiment":
-        return sentiment_reward
-    if ":" not in spec:
-        die(f"--reward_fn {spec!r} must be 'sentiment', 'path/to/file.py:function' or 'package.module:function'")
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            die(f"--reward_fn file {where!r} does not exist")
-        module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+def accuracy_reward(prompts, completions, answer, **columns):
+    """The built-in reward `accuracy`, for verifiable tasks: 1.0 when the last number in the completion equals the
+    row's `answer` column, else 0.0 (no number: 0.0). Thousands separators are ignored; "42.0" equals 42."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", completion.replace(",", ""))
+        scores.append(float(bool(numbers) and float(numbers[-1]) == float(expected)))
+    return scores
+
+
+BUILTIN_REWARDS = {"sentiment": sentiment_reward, "accuracy": accuracy_reward}
+
+
+def load_reward_fn(spec, columns):
+    """`sentiment`, `accuracy`, `path/to/file.py:function` or `package.module:function` -> the function, after
+    checking that the dataset has every column it asks for by name (columns: the dataset's other column names)."""
+    if spec in BUILTIN_REWARDS:
+        fn = BUILTIN_REWARDS[spec]
+    elif ":" not in spec:
+        die(f"--reward_fn {spec!r} must be {', '.join(map(repr, BUILTIN_REWARDS))}, 'file.py:function' or 'module:function'")
     else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            die(f"--reward_fn module {where!r} cannot be imported: {e}")
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        die(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+        where, name = spec.rsplit(":", 1)
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                die(f"--reward_fn file {where!r} does not exist")
+            module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            try:
+                module = importlib.import_module(where)
+            except ImportError as e:
+                die(f"--reward_fn module {where!r} cannot be imported: {e}")
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            die(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+    # fn(prompts, completions, **columns): the parameters after the first two that have no default must be columns
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [name for name in missing if name not in columns]
+    if missing:
+        die(f"reward function {spec!r} needs the dataset column(s) {missing}; the dataset has {sorted(columns)}")
     return fn
 
 
-def check_scores(scores, n, name):
-    """A reward function's output -> float tensor (n,), or a one-line error naming the function."""
-    try:
-        values = [float(s) for s in scores]
-    except (TypeError, ValueError):
-        die(f"reward function {name} must return a list of numbers, got {str(scores)[:80]}")
+def call_reward_fn(fn, prompts, completions, columns):
+    """fn(prompts, completions, **columns): every column to a function that takes **kwargs, else the columns it names,
+    so a function of today's two-argument form keeps working."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        columns = {k: v for k, v in columns.items() if k in params}
+    return fn(list(prompts), list(completions), **columns)
+
+
+def ask_reward_server(url, prompts, completions, columns, batch_size, timeout, retries):
+    """POST {"prompts": [...], "completions": [...], "<column>": [...]} to url in batches of batch_size; each reply
+    must be {"rewards": [number or null, ...]} of the batch's length. A failed request (refused, timed out, HTTP error,
+    not JSON) is retried with backoff (1 s, 2 s, 4 s, ...); after the last retry the run stops with one line."""
+    rewards = []
+    for start in range(0, len(completions), batch_size):
+        end = start + batch_size
+        body = {"prompts": list(prompts[start:end]), "completions": list(completions[start:end])}
+        body.update({k: list(v[start:end]) for k, v in columns.items()})
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        for attempt in range(retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    reply = json.loads(response.read())
+                break
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read(200).decode(errors='replace').strip()}"
+            except (OSError, http.client.HTTPException) as e:  # refused, unreachable, timed out, cut off
+                error = str(getattr(e, "reason", e)) or type(e).__name__
+            except ValueError:
+                error = "the reply is not JSON"
+            if attempt == retries:
+                die(f"reward server {url} failed {retries + 1} time(s); the last said: {error}")
+            time.sleep(2**attempt)
+        if not isinstance(reply, dict) or not isinstance(reply.get("rewards"), list):
+            die(f'reward server {url} must reply {{"rewards": [...]}}, got {str(reply)[:80]}')
+        rewards += check_rewards(reply["rewards"], len(body["completions"]), f"server {url}")
+    return rewards
+
+
+def check_rewards(values, n, source):
+    """A source's rewards -> a list of n floats or None ("cannot judge"), or one line naming the source and the value:
+    not a list, the wrong length, NaN or inf, or something that is not a number."""
+    if torch.is_tensor(values) or isinstance(values, np.ndarray):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        die(f"reward {source} must return a list of numbers (or None), got {str(values)[:80]}")
     if len(values) != n:
-        die(f"reward function {name} returned {len(values)} scores for {n} completions")
-    if not all(math.isfinite(v) for v in values):
-        die(f"reward function {name} returned NaN or inf: {values[:8]}")
-    return torch.tensor(values)
+        die(f"reward {source} returned {len(values)} scores for {n} completions")
+    for v in values:
+        if v is not None and (isinstance(v, str) or not isinstance(v, numbers.Real)):
+            die(f"reward {source} must return a list of numbers (or None), got {v!r}")
+        if v is not None and not math.isfinite(v):
+            die(f"reward {source} returned {v}; NaN or inf is not a reward (None means it cannot judge a completion)")
+    return [None if v is None else float(v) for v in values]
 
 
-def scalar_forward(model, input_ids, attention_mask):
-    """One scalar per token (batch, seq) from a sequence-classification model (num_labels=1): its backbone, then its
-    `score` head on every position. Used for the reward model (read at the last real token) and PPO's value model.
-    (The model's own forward finds the last token by comparing with the pad id, which breaks when pad == EOS.)"""
-    backbone = getattr(model, model.base_model_prefix)
-    position_ids = attention_mask.cumsum(1) - attention_mask
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    return model.score(hidden).squeeze(-1)
+def load_reward_sources(args, tokenizer, columns, reward_model_paths):
+    """The reward sources, in the order --reward_weights follows: reward models (reward_model_paths), then
+    --reward_fn functions, then --reward_url servers, each in the order given; no source at all: `sentiment`.
+    Returns a list of dicts {"name", "weight", and "model" + "tokenizer" (None: the policy's vocabulary), or "fn", or
+    "url"}; names (for rewards/<name>/...) are the function's name, the model's or server's last path part."""
+    from transformers import AutoModelForSequenceClassification
+
+    fns = list(args.reward_fn) or ([] if reward_model_paths or args.reward_url else ["sentiment"])
+    sources = []
+    for path in reward_model_paths:
+        model = load_pretrained(AutoModelForSequenceClassification, path, args.trust_remote_code)
+        if model.config.num_labels != 1:
+            die(f"reward model {path!r} has num_labels={model.config.num_labels}; it must be 1")
+        rm_tokenizer = load_tokenizer(path, args.trust_remote_code)
+        rm_tokenizer = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: score our tokens
+        name = os.path.basename(os.path.normpath(path)) or "reward_model"
+        sources.append({"name": name, "model": model.eval().requires_grad_(False), "tokenizer": rm_tokenizer})
+    for spec in fns:
+        fn = load_reward_fn(spec, columns)
+        sources.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn})
+    for url in args.reward_url:
+        if not url.startswith(("http://", "https://")):
+            die(f"--reward_url {url!r} must start with http:// or https://")
+        name = url.rstrip("/").rsplit("/", 1)[-1] or "server"
+        sources.append(
+            {
+                "name": name,
+                "url": url,
+                "batch_size": args.reward_url_batch_size,
+                "timeout": args.reward_url_timeout,
+                "retries": args.reward_url_retries,
+            }
+        )
+    if args.reward_weights and len(args.reward_weights) != len(sources):
+        names = ", ".join(s["name"] for s in sources)
+        die(f"--reward_weights has {len(args.reward_weights)} weights for {len(sources)} reward sources ({names})")
+    if args.reward_url_batch_size < 1 or args.reward_url_timeout <= 0 or args.reward_url_retries < 0:
+        die("--reward_url_batch_size must be >= 1, --reward_url_timeout positive and --reward_url_retries >= 0")
+    seen = {}
+    for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
+        source["weight"] = float(weight)
+        seen[source["name"]] = seen.get(source["name"], 0) + 1
+        if seen[source["name"]] > 1:  # two sources of one name: rewards/vowels, rewards/vowels_2
+            source["name"] += f"_{seen[source['name']]}"
+    return sources
 
 
-def get_scores(
-    reward_model, rm_tokenizer, reward_fn, tokenizer, query_responses, mask, context_length, lengths, prompts, stop_token_id
-):
-    """Scores (batch,) of truncated completions: the reward model (num_labels=1) read at the last real token (the
-    stop token of a completion that stopped), or the reward function called on the prompt texts and the decoded
-    completions. query_responses (batch, seq) hold left-padded queries of context_length columns, then responses of
-    `lengths` real tokens. rm_tokenizer is None when the reward model shares the policy's vocabulary; otherwise the
-    text is re-encoded with it, and a stop token that decoding drops (EOS) becomes the reward model's EOS token."""
-    if reward_model is not None and rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
+def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id):
+    """A reward model's scores (batch,) of truncated completions, read at the last real token (the stop token of a
+    completion that stopped). query_responses (batch, seq) hold left-padded queries of context_length columns, then
+    responses of `lengths` real tokens; mask is their attention mask. rm_tokenizer is None when the reward model
+    shares the policy's vocabulary; otherwise the text is re-encoded with it, and a stop token that decoding drops
+    (EOS) becomes the reward model's EOS token."""
+    if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
         ids, last = query_responses, context_length + lengths - 1
     else:
         completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-        if reward_model is None:
-            scores = reward_fn(list(prompts), completions)
-            return check_scores(scores, len(completions), reward_fn.__name__).to(query_responses.device)
         queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
         texts = [q + c for q, c in zip(queries, completions)]
         seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -340,6 +450,77 @@ def get_scores(
     if not torch.isfinite(scores).all():
         die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
     return scores
+
+
+def get_scores(sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id):
+    """Every source's rewards (sources, batch) for truncated completions, NaN where a source returned None. Reward
+    models read the tokens (rm_scores); functions and servers get the prompt texts, the decoded completions and the
+    rows' other dataset columns (columns: name -> list aligned with the batch)."""
+    completions = None
+    rows = []
+    for source in sources:
+        if "model" in source:
+            rows.append(
+                rm_scores(
+                    source["model"],
+                    rm_tokenizer=source["tokenizer"],
+                    tokenizer=tokenizer,
+                    query_responses=query_responses,
+                    mask=mask,
+                    context_length=context_length,
+                    lengths=lengths,
+                    stop_token_id=stop_token_id,
+                )
+            )
+            continue
+        if completions is None:
+            completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        if "fn" in source:
+            values = call_reward_fn(source["fn"], prompts, completions, columns)
+            values = check_rewards(values, len(completions), f"function {source['name']}")
+        else:
+            values = ask_reward_server(
+                source["url"],
+                prompts=prompts,
+                completions=completions,
+                columns=columns,
+                batch_size=source["batch_size"],
+                timeout=source["timeout"],
+                retries=source["retries"],
+            )
+        rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
+    return torch.stack(rows)
+
+
+def weighted_scores(per_source, sources):
+    """(sources, batch) rewards, NaN for None -> (scores (batch,), scored (batch,) bool): the weighted sum over the
+    sources that scored each completion; a completion that no source scored gets 0 and scored False."""
+    weights = torch.tensor([s["weight"] for s in sources], device=per_source.device)[:, None]
+    return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
+
+
+def reward_stats(accelerator, per_source, sources):
+    """rewards/<name>/mean and rewards/<name>/std of each source over the completions it scored, on all processes."""
+    valid = ~per_source.isnan()
+    values = per_source.nan_to_num(0.0)
+    sums = torch.stack([values.sum(1), (values * values).sum(1), valid.sum(1).float()], 1)  # (sources, 3)
+    total, square, count = accelerator.reduce(sums, reduction="sum").unbind(1)
+    mean = total / count.clamp(min=1)
+    std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
+    stats = {}
+    for source, m, sd in zip(sources, mean.tolist(), std.tolist()):
+        stats[f"rewards/{source['name']}/mean"], stats[f"rewards/{source['name']}/std"] = m, sd
+    return stats
+
+
+def scalar_forward(model, input_ids, attention_mask):
+    """One scalar per token (batch, seq) from a sequence-classification model (num_labels=1): its backbone, then its
+    `score` head on every position. Used for the reward model (read at the last real token) and PPO's value model.
+    (The model's own forward finds the last token by comparing with the pad id, which breaks when pad == EOS.)"""
+    backbone = getattr(model, model.base_model_prefix)
+    position_ids = attention_mask.cumsum(1) - attention_mask
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    return model.score(hidden).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -550,10 +731,12 @@ def kl_estimate(logprobs, ref_logprobs, kind="k1"):
 
 
 def masked_mean(values, mask, dim=None):
+    """The mean of values where mask is true; 0 where it is nowhere true (a micro-batch of completions that no
+    reward source scored)."""
     mask = mask.to(values.dtype)
     if dim is None:
-        return (values * mask).sum() / mask.sum()
-    return (values * mask).sum(dim) / mask.sum(dim)
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def masked_whiten(values, mask, shift_mean=True, reduce=None):
@@ -768,16 +951,14 @@ def evaluate(
             response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
             rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
             query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
-            scores = get_scores(
-                reward_model=reward_model,
+            scores = rm_scores(
+                reward_model,
                 rm_tokenizer=rm_tokenizer,
-                reward_fn=None,
                 tokenizer=tokenizer,
                 query_responses=query_response,
                 mask=mask,
                 context_length=query.shape[1],
                 lengths=lengths,
-                prompts=None,
                 stop_token_id=stop_token_id,
             )
             stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
@@ -831,3 +1012,27 @@ def write_eval_json(output_dir):
     with open(os.path.join(output_dir, "eval.json.tmp"), "w") as f:
         json.dump(evals, f, indent=1)
     os.replace(os.path.join(output_dir, "eval.json.tmp"), os.path.join(output_dir, "eval.json"))
+
+
+def write_completions(accelerator, args, episode, update, prompts, completions, per_source, sources, scores, advantages):
+    """--log_completions: one row per completion of every process (episode, update, prompt, completion, each source's
+    reward and the weighted score, None where there is none, and the advantage), appended to
+    output_dir/completions.jsonl by the main process; with --track also a wandb table of this update's rows."""
+    rows = []
+    for j, (prompt, completion) in enumerate(zip(prompts, completions)):
+        row = {"episode": episode, "update": update, "prompt": prompt, "completion": completion}
+        for source, value in zip(sources, per_source[:, j].tolist()):
+            row[f"rewards/{source['name']}"] = None if math.isnan(value) else value
+        row["score"] = None if math.isnan(scores[j].item()) else scores[j].item()
+        row["advantage"] = advantages[j].item()
+        rows.append(row)
+    rows = gather_object(rows)
+    if not accelerator.is_main_process:
+        return
+    with open(os.path.join(args.output_dir, "completions.jsonl"), "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    if args.track:
+        import wandb
+
+        names = list(rows[0])
+        wandb.log({"completions": wandb.Table(columns=names, data=[[row[n] for n in names] for row in rows])})

@@ -29,10 +29,42 @@ def run_script(command, cwd, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=os.environ.copy(), timeout=timeout)
 
 
+def descendants(pid):
+    """Every live process below pid, from /proc. torchrun starts each worker in a session of its own, so killing the
+    launcher's process group does not reach the workers; a test that means to kill a whole run must kill these."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "(name)": state, ppid, ...
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid):
+    """pid runs and is not a zombie"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def kill_after_rows(proc, output_dir, rows, group=False):
-    """SIGKILL a running script (with group=True its whole process group: a launcher and its processes) once it has
-    written `rows` rows of metrics.jsonl, as a crash would, possibly mid-checkpoint or mid-row. Returns the number of
-    rows then on disk."""
+    """SIGKILL a running script once it has written `rows` rows of metrics.jsonl, as a crash would, possibly
+    mid-checkpoint or mid-row; with group=True a launcher with every process below it (the training processes
+    included, which torchrun puts in sessions of their own). Returns the number of rows then on disk, after checking
+    that no process of the run is left."""
+    import contextlib
     import signal
     import time
 
@@ -43,8 +75,21 @@ def kill_after_rows(proc, output_dir, rows, group=False):
             break
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be killed"
-    (os.killpg if group else os.kill)(proc.pid, signal.SIGKILL)
+    victims = [proc.pid]
+    if group:  # stop them all first, so that none goes on while the others die
+        victims += descendants(proc.pid)
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        victims = [proc.pid, *descendants(proc.pid)]
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + 30
+    while any(alive(v) for v in victims[1:]):
+        assert time.time() < deadline, "a process of the killed run is still alive"
+        time.sleep(0.05)
     return len(open(path).read().splitlines())
 
 

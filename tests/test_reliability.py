@@ -32,22 +32,25 @@ def without_eps(rows):
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_kill_then_resume_gives_the_uninterrupted_metrics(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     full = tmp_path / "full"
-    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, full), cwd=tmp_path))
+    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, full, "--log_completions"), cwd=tmp_path))
     expected = read_metrics(full)
     assert len(expected) == 10
 
     # the same run, killed with SIGKILL while it trains (possibly mid-checkpoint or mid-row), then resumed
     cut = tmp_path / "cut"
-    first, *rest = shlex.split(command(script, tiny_model_dir, tiny_prompts_file, cut))
+    first, *rest = shlex.split(command(script, tiny_model_dir, tiny_prompts_file, cut, "--log_completions"))
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, first), *rest], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     assert 4 <= kill_after_rows(proc, cut, 4) < 10
 
-    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, cut, "--resume"), cwd=tmp_path))
+    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, cut, "--resume --log_completions"), cwd=tmp_path))
     resumed = read_metrics(cut)
     assert [r["episode"] for r in resumed] == [16 * i for i in range(1, 11)]  # no duplicate, no missing row
     assert without_eps(resumed) == without_eps(expected)
+    # --log_completions: every completion once, as the uninterrupted run wrote it
+    with open(full / "completions.jsonl") as f, open(cut / "completions.jsonl") as g:
+        assert f.read() == g.read()
 
     from safetensors.torch import load_file
 

@@ -10,8 +10,14 @@ from conftest import train_bpe
 KEYS = (
     "episode eps lr objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores"
     " policy/approxkl_avg policy/clipfrac_avg loss/policy_avg policy/entropy_avg val/ratio val/ratio_var val/num_eos_tokens"
-    " val/response_length"
+    " val/response_length objective/unscored"
 ).split()
+
+
+def reward_keys(*names):
+    """the per-source metrics of the reward sources named"""
+    return [f"rewards/{name}/{stat}" for name in names for stat in ("mean", "std")]
+
 
 # dense and learnable by a tiny random model: the share of vowels in the completion's text
 VOWELS = """
@@ -42,7 +48,7 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_mode
     assert len(rows) == 3  # 96 episodes / (8 * 2 * 2 completions per update)
     assert [r["episode"] for r in rows] == [32, 64, 96]
     for r in rows:
-        assert sorted(r) == sorted(KEYS)
+        assert sorted(r) == sorted(KEYS + reward_keys("sentiment"))
         assert all(math.isfinite(v) for v in r.values())
         # non_score_reward is -kl_coef * kl, rlhf_reward = scores + non_score_reward
         assert r["objective/non_score_reward"] == pytest.approx(-0.05 * r["objective/kl"], abs=1e-6)
@@ -215,7 +221,7 @@ def test_embedded_default_runs_offline(run, tmp_path):
     )
     check_ok(proc)
     (row,) = read_metrics(out)
-    assert sorted(row) == sorted(KEYS) and row["episode"] == 8
+    assert sorted(row) == sorted(KEYS + reward_keys("sentiment")) and row["episode"] == 8
     assert -1.0 <= row["objective/scores"] <= 1.0
     from transformers import AutoModelForCausalLM
 

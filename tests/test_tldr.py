@@ -5,7 +5,7 @@ import os
 
 import pytest
 from test_rloo import KEYS as RLOO_KEYS
-from test_rloo import check_ok, read_metrics
+from test_rloo import check_ok, read_metrics, reward_keys
 
 PPO_KEYS = RLOO_KEYS + ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "objective/kl_coef"]
 EVAL_KEYS = ["episode", "eval/scores", "eval/response_length", "eval/stopped_fraction"]
@@ -68,7 +68,8 @@ def test_rloo_tldr_trains_and_evaluates(run, tmp_path, tldr_dir, tiny_model_dir,
     rows = read_metrics(out)
     train = [r for r in rows if "objective/scores" in r]
     evals = [r for r in rows if "eval/scores" in r]
-    assert [r["episode"] for r in train] == [16, 32] and all(sorted(r) == sorted(RLOO_KEYS) for r in train)
+    rm_keys = reward_keys(os.path.basename(tiny_reward_model_dir))  # the reward model's rewards/<name>/...
+    assert [r["episode"] for r in train] == [16, 32] and all(sorted(r) == sorted(RLOO_KEYS + rm_keys) for r in train)
     assert [r["episode"] for r in evals] == [0, 16, 32] and all(sorted(r) == sorted(EVAL_KEYS) for r in evals)
     with open(out / "eval.json") as f:
         assert json.load(f) == evals
@@ -113,7 +114,8 @@ def test_ppo_tldr_trains_evaluates_and_saves_the_critic(run, tmp_path, tldr_dir,
     rows = read_metrics(out)
     train = [r for r in rows if "objective/scores" in r]
     evals = [r for r in rows if "eval/scores" in r]
-    assert [r["episode"] for r in train] == [16, 32] and all(sorted(r) == sorted(PPO_KEYS) for r in train)
+    rm_keys = reward_keys(os.path.basename(tiny_reward_model_dir))
+    assert [r["episode"] for r in train] == [16, 32] and all(sorted(r) == sorted(PPO_KEYS + rm_keys) for r in train)
     assert [r["episode"] for r in evals] == [0, 32] and all(sorted(r) == sorted(EVAL_KEYS) for r in evals)
     assert [s["index"] for s in read_samples(out, 32)] == list(range(10))
     assert os.path.exists(out / "critic" / "model.safetensors")

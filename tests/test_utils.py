@@ -22,9 +22,27 @@ def test_rloo_advantages_match_loop():
         for i in range(k):
             others = [rewards[j * k + m].item() for m in range(k) if m != i]
             expected[j * k + i] = rewards[j * k + i] - sum(others) / (k - 1)
-    torch.testing.assert_close(rloo_advantages(rewards, k), expected)
+    everyone = torch.ones(k * prompts, dtype=torch.bool)
+    torch.testing.assert_close(rloo_advantages(rewards, k, everyone), expected)
     # the advantages of one prompt's completions sum to zero: the baseline takes nothing from the expected gradient
-    torch.testing.assert_close(rloo_advantages(rewards, k).reshape(prompts, k).sum(1), torch.zeros(prompts))
+    torch.testing.assert_close(rloo_advantages(rewards, k, everyone).reshape(prompts, k).sum(1), torch.zeros(prompts))
+
+
+def test_rloo_advantages_leave_unscored_completions_out():
+    """A completion no reward source scored gets 0 and is left out of the others' baselines; a scored completion with
+    no other scored one in its prompt gets 0 too. The reward of an unscored one (here 100) must not leak anywhere."""
+    k = 4
+    rewards = torch.tensor([1.0, 2.0, 100.0, 4.0, 5.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0])
+    scored = torch.tensor([1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0], dtype=torch.bool)
+    expected = torch.zeros_like(rewards)
+    for j in range(len(rewards) // k):
+        for i in range(k):
+            others = [rewards[j * k + m].item() for m in range(k) if m != i and scored[j * k + m]]
+            if scored[j * k + i] and others:
+                expected[j * k + i] = rewards[j * k + i] - sum(others) / len(others)
+    advantages = rloo_advantages(rewards, k, scored)
+    torch.testing.assert_close(advantages, expected)
+    assert advantages[0] == 1.0 - 3.0 and advantages[4] == 0.0 and (advantages[8:] == 0).all()
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
@@ -329,19 +347,48 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
 
 
 def test_reward_fn_loading_and_checks(tmp_path):
-    (tmp_path / "rew.py").write_text("def length(prompts, completions):\n    return [len(c) for c in completions]\n")
-    fn = utils.load_reward_fn(f"{tmp_path}/rew.py:length")
+    (tmp_path / "rew.py").write_text(
+        "def length(prompts, completions):\n    return [len(c) for c in completions]\n"
+        "def needs_answer(prompts, completions, answer, scale=1.0):\n    return [scale * a for a in answer]\n"
+    )
+    fn = utils.load_reward_fn(f"{tmp_path}/rew.py:length", columns=[])
     assert fn(["p", "q"], ["ab", "c"]) == [2, 1]
-    assert utils.load_reward_fn("sentiment") is utils.sentiment_reward
+    assert utils.load_reward_fn("sentiment", columns=[]) is utils.sentiment_reward
     good, bad = utils.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
     assert good > 0.5 and bad < -0.5
-    assert utils.check_scores([1, 2.5], 2, "f").tolist() == [1.0, 2.5]
+    assert utils.check_rewards([1, 2.5, None], 3, "f") == [1.0, 2.5, None]
+    assert utils.check_rewards(torch.tensor([1.0, 2.0]), 2, "f") == [1.0, 2.0]
     for spec in [f"{tmp_path}/nope.py:f", f"{tmp_path}/rew.py:missing", "no_such_module_xyz:f", "sentiments"]:
         with pytest.raises(SystemExit):
-            utils.load_reward_fn(spec)
-    for scores in [[1.0], [1.0, float("nan")], [1.0, float("inf")], ["a", 1.0], None]:
+            utils.load_reward_fn(spec, columns=[])
+    for scores in [[1.0], [1.0, float("nan")], [1.0, float("inf")], ["a", 1.0], None, "12", [1.0, [2.0]]]:
         with pytest.raises(SystemExit):
-            utils.check_scores(scores, 2, "f")
+            utils.check_rewards(scores, 2, "f")
+    # columns: a function names the ones it needs (checked against the dataset at load), or takes **columns
+    with pytest.raises(SystemExit, match="needs the dataset column"):
+        utils.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question"])
+    fn = utils.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["answer", "question"])
+    columns = {"answer": [3, 4], "question": ["a", "b"]}
+    assert utils.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
+    assert utils.call_reward_fn(utils.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("85", 85, 1.0),
+        ("The answer is 85.", "85", 1.0),
+        ("47 + 38 = 85", 85, 1.0),
+        ("85 or maybe 86", 85, 0.0),  # the last number counts
+        ("1,234", 1234, 1.0),
+        ("-12", -12, 1.0),
+        ("85.0", 85, 1.0),
+        ("eighty-five", 85, 0.0),
+        ("", 85, 0.0),
+    ],
+)
+def test_accuracy_reward_reads_the_last_number(completion, answer, expected):
+    assert utils.accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
 
 
 def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
@@ -398,55 +445,50 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
         ids = [i for i in row[:n].tolist() if i not in (tok.pad_token_id, tok.eos_token_id)]
         assert rm_tok(tok.decode(row[:n], skip_special_tokens=True), add_special_tokens=False)["input_ids"] == ids
     kwargs = dict(
-        reward_model=rm,
-        reward_fn=None,
         tokenizer=tok,
         query_responses=query_responses,
         mask=mask,
         context_length=context_length,
         lengths=lengths,
-        prompts=None,
         stop_token_id=stop_token_id,
     )
     with torch.no_grad():
-        direct = utils.get_scores(rm_tokenizer=None, **kwargs)
-        reencoded = utils.get_scores(rm_tokenizer=rm_tok, **kwargs)
+        direct = utils.rm_scores(rm, rm_tokenizer=None, **kwargs)
+        reencoded = utils.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
     torch.testing.assert_close(reencoded, direct, atol=1e-5, rtol=1e-5)
 
     if stop == "eos":  # a reward model's tokenizer without an EOS token has nothing to end a stopped completion with
         rm_tok.eos_token = None
         with pytest.raises(SystemExit, match="no EOS token"):
-            utils.get_scores(rm_tokenizer=rm_tok, **kwargs)
+            utils.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
 
 
 def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
     import datasets
 
     tok = utils.load_tokenizer(tiny_model_dir)
-    rows = {"prompt": ["the first prompt", "a second, longer prompt about the river"], "ref": [" one ", "two\n"]}
+    rows = {
+        "prompt": ["the first prompt", "a second, longer prompt about the river"],
+        "ref": [" one ", "two\n"],
+        "answer": [1, 2],
+    }
     datasets.Dataset.from_dict(rows).to_csv(str(tmp_path / "p.csv"))
     (tmp_path / "folder").mkdir()
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "folder" / "train.parquet"))
     for source in [tmp_path / "p.csv", tmp_path / "folder"]:
-        queries, texts, refs = utils.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
+        queries, texts, refs, columns = utils.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
         assert texts == rows["prompt"] and refs == ["one", "two"]
+        assert columns == {"ref": [" one ", "two\n"], "answer": [1, 2]}  # every column but the prompt, for rewards
         assert queries == [tok(t, add_special_tokens=False)["input_ids"] for t in rows["prompt"]]
     # too long prompts are dropped
     short = len(tok("the first prompt", add_special_tokens=False)["input_ids"])
-    _, texts, refs = utils.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
-    assert texts == ["the first prompt"] and refs == [None]
+    _, texts, refs, columns = utils.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
+    assert texts == ["the first prompt"] and refs == [None] and columns["answer"] == [1]  # aligned with what is kept
     # chat messages go through the chat template, with the generation prompt
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi there"}]}\n')
-    queries, texts, _ = utils.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
+    queries, texts, _, _ = utils.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
     assert texts == ["hi there"] and tok.decode(queries[0]) == "<user>hi there<assistant>"
-
-
-def test_parse_verdict_reads_only_a_leading_letter():
-    for reply, verdict in [("A", "A"), ("B", "B"), ("**B**", "B"), (" A.", "A"), ("B\n", "B"), ("A is better", "A")]:
-        assert utils.parse_verdict(reply) == verdict, reply
-    for reply in ["", "AB", "Both", "Summary A", "I prefer B", "a", "BA"]:
-        assert utils.parse_verdict(reply) is None, reply
 
 
 def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path):
