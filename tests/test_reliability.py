@@ -1,4 +1,4 @@
-"""Checkpoints, exact resume after kill -9, non-finite guards: for rloo.py and ppo.py."""
+"""Checkpoints, exact resume after kill -9, non-finite guards: for rloo.py, ppo.py and grpo.py."""
 
 import os
 import shlex
@@ -14,13 +14,16 @@ from test_rloo import check_ok, read_metrics
 SCRIPTS = {
     "rloo.py": "--rloo_k 2",
     "ppo.py": "--kl_target 0.5 --kl_horizon 100",  # the adaptive coefficient is state that must survive a resume
+    # unscaled advantages: with the non-finite test's huge scores a group's std would overflow and zero them
+    "grpo.py": "--num_generations 2 --beta 0.05 --scale_rewards none",
 }
 
 
 def command(script, model, prompts, out, extra=""):
+    epochs = "--num_iterations" if script == "grpo.py" else "--num_ppo_epochs"  # GRPO's name for the passes
     return (
         f"{script} {SCRIPTS[script]} --model_name_or_path {model} --dataset_name {prompts} --output_dir {out}"
-        " --total_episodes 160 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_ppo_epochs 2"
+        f" --total_episodes 160 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 {epochs} 2"
         f" --num_mini_batches 1 --response_length 8 --num_sample_generations 0 --checkpoint_every 1 {extra}"
     )
 
