@@ -228,3 +228,23 @@ def test_lora_reference_is_the_policy_without_adapters(run, tmp_path, tiny_model
     # the adapters start as a no-op (LoRA's B is zero), so the first rollout is the reference's own
     assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] != 0.0
     assert os.path.exists(out / "adapter_model.safetensors") and not os.path.exists(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(masked, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """The random tiny policy never stops within 4 tokens: with --mask_truncated_completions no token counts, so
+    neither the advantages nor the KL move the policy; without it they do."""
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --total_episodes 16 --response_length 4 --beta 0.1"
+        f" --learning_rate 1e-2 {'--mask_truncated_completions' if masked else ''} --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert row["val/num_eos_tokens"] == 0 and row["frac_reward_zero_std"] < 1
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a) == masked
+    assert (row["loss/policy_avg"] == 0.0) == masked
