@@ -25,9 +25,9 @@ KL_KEYS = ["kl", "objective/kl"]  # only with --beta > 0
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 def test_group_advantages_match_a_naive_loop(scale_rewards):
     torch.manual_seed(0)
-    k = 4
+    k = 6
     scores = torch.randn(6 * k)
-    scores[8:12] = 0.3  # a group whose scores are all equal
+    scores[12:18] = 0.3  # a group whose scores are all equal (and whose float32 mean is not quite 0.3)
     advantages, zero_std = group_advantages(scores, k, scale_rewards)
     values = scores.tolist()
     batch_std = statistics.stdev(values)  # unbiased, as TRL's
@@ -70,9 +70,10 @@ def test_batch_scaling_sums_its_statistics_over_processes():
 def test_loss_aggregation_matches_a_naive_loop(loss_type):
     """One optimiser step over 2 processes x 3 micro-batches of 4 rows: the micro-batches' losses, averaged as
     accelerate averages their gradients (over accumulation and processes), give each aggregation's definition over the
-    whole step. Rows of every length, one of them fully masked (a truncated completion)."""
+    whole step. Rows of every length, one of them fully masked (a truncated completion); the longest allowed
+    completion (response_length) longer than any in the batch."""
     torch.manual_seed(2)
-    processes, accumulation, rows, width = 2, 3, 4, 6
+    processes, accumulation, rows, width, response_length = 2, 3, 4, 6, 8
     losses = torch.randn(processes, accumulation, rows, width)
     lengths = torch.randint(1, width + 1, (processes, accumulation, rows))
     lengths[0, 1, 2] = 0
@@ -82,7 +83,9 @@ def test_loss_aggregation_matches_a_naive_loop(loss_type):
     step = 0.0
     for p in range(processes):
         for g in range(accumulation):
-            loss = aggregate_loss(losses[p, g], mask[p, g], loss_type, response_length=width, dapo_tokens=dapo_tokens)
+            loss = aggregate_loss(
+                losses[p, g], mask[p, g], loss_type, response_length=response_length, dapo_tokens=dapo_tokens
+            )
             step += loss.item() / (processes * accumulation)
 
     tokens = [
@@ -95,7 +98,9 @@ def test_loss_aggregation_matches_a_naive_loop(loss_type):
         per_micro = [sum(sum(row) for row in micro) / sum(len(row) for row in micro) for micro in tokens]
         expected = sum(per_micro) / len(per_micro)
     elif loss_type == "dr_grpo":  # every token / (every completion x the longest allowed completion)
-        expected = sum(x for micro in tokens for row in micro for x in row) / (processes * accumulation * rows * width)
+        expected = sum(x for micro in tokens for row in micro for x in row) / (
+            processes * accumulation * rows * response_length
+        )
     else:  # dapo: every token / every token of the step, wherever it sits
         expected = sum(x for micro in tokens for row in micro for x in row) / total_tokens
     assert step == pytest.approx(expected, rel=1e-5, abs=1e-6)
