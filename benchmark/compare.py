@@ -2,12 +2,14 @@
 
     python benchmark/compare.py rloo --updates 20     # rloo.py vs TRL RLOOTrainer -> benchmark/results/cpu_rloo
     python benchmark/compare.py ppo --updates 20      # ppo.py vs TRL 0.21 PPOTrainer -> benchmark/results/cpu_ppo
+    python benchmark/compare.py grpo --updates 20     # grpo.py vs TRL GRPOTrainer -> benchmark/results/cpu_grpo
     python benchmark/compare.py rloo --updates 20 --vocab_size 50304    # pythia's vocabulary size -> cpu_rloo_vocab50304
 
 Both sides run as separate processes, one after the other, on the world of benchmark/world.py (a GPT-NeoX of
 pythia-14m's shape with random weights, a BPE tokenizer of 4,096 or 50,304 tokens, 509 prompts): 53 response
-tokens, temperature 0.7, one epoch of one mini-batch, 64 completions per update (RLOO: 16 prompts x rloo_k 4). RLOO
-is rewarded by the share of vowels (a reward function); PPO by the world's random reward model, which TRL's
+tokens, temperature 0.7, one epoch of one mini-batch, 64 completions per update (RLOO and GRPO: 16 prompts x k = 4).
+RLOO and GRPO (dapo loss, group scaling, beta 0.04) are rewarded by the share of vowels (a reward function); PPO by
+the world's random reward model, which TRL's
 PPOTrainer needs, with the critic starting from it on both sides. The PPO peer runs in benchmark/.venv-trl021
 (setup_trl021.sh). The harness takes each process's peak resident memory from the kernel (os.wait4), reads both
 metric files, and writes OUT/results.json,
@@ -58,13 +60,16 @@ def read(path):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("algo", choices=["rloo", "ppo"])
+    parser.add_argument("algo", choices=["rloo", "ppo", "grpo"])
     parser.add_argument("--updates", type=int, default=20)
     parser.add_argument("--vocab_size", type=int, default=4096, help="the world's vocabulary: 4096, or pythia's 50304")
     parser.add_argument("--out", default=None, help="default: benchmark/results/cpu_{algo}, _vocab50304 appended")
     parser.add_argument("--world", default=None, help="default: benchmark/.world, -50304 appended")
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--beta", type=float, default=0.04, help="grpo: the KL weight on both sides (0: no reference)")
+    parser.add_argument("--loss_type", default="dapo", help="grpo: the loss aggregation on both sides")
+    parser.add_argument("--scale_rewards", default="group", help="grpo: the advantage scaling on both sides")
     args = parser.parse_args()
     suffix = "" if args.vocab_size == 4096 else f"_vocab{args.vocab_size}"
     args.out = args.out or f"benchmark/results/cpu_{args.algo}{suffix}"
@@ -84,19 +89,28 @@ if __name__ == "__main__":
         if os.path.exists(os.path.join(d, "metrics.jsonl")):
             os.remove(os.path.join(d, "metrics.jsonl"))
     common = [
-        "--response_length", str(length), "--temperature", "0.7", "--kl_coef", "0.05",
+        "--response_length", str(length), "--temperature", "0.7",
         "--learning_rate", str(args.learning_rate), "--total_episodes", str(episodes), "--seed", str(args.seed),
         "--per_device_train_batch_size", batch, "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
-        "--num_ppo_epochs", "1", "--local_rollout_forward_batch_size", batch, "--num_sample_generations", "0",
+        "--local_rollout_forward_batch_size", batch, "--num_sample_generations", "0",
         "--no_save_model", "--model_name_or_path", f"{world}/model", "--dataset_name", f"{world}/prompts.jsonl",
         "--output_dir", ours_dir,
     ]  # fmt: skip
+    if args.algo != "grpo":
+        common += ["--kl_coef", "0.05", "--num_ppo_epochs", "1"]
     if args.algo == "rloo":
         ours_cmd = [sys.executable, os.path.join(REPO, "rloo.py"), *common, "--rloo_k", str(k)]
         ours_cmd += ["--reward_fn", f"{world}/reward.py:vowels"]
         peer_cmd = [sys.executable, os.path.join(HERE, "trl_rloo.py"), world, peer_dir, "--prompts_per_update", str(prompts)]
         peer_cmd += ["--k", str(k)]
         peer_name = "TRL RLOOTrainer"
+    elif args.algo == "grpo":
+        grpo_flags = ["--beta", str(args.beta), "--loss_type", args.loss_type, "--scale_rewards", args.scale_rewards]
+        ours_cmd = [sys.executable, os.path.join(REPO, "grpo.py"), *common, "--num_generations", str(k)]
+        ours_cmd += ["--num_iterations", "1", "--reward_fn", f"{world}/reward.py:vowels", *grpo_flags]
+        peer_cmd = [sys.executable, os.path.join(HERE, "trl_grpo.py"), world, peer_dir, "--prompts_per_update", str(prompts)]
+        peer_cmd += ["--k", str(k), *grpo_flags]
+        peer_name = "TRL GRPOTrainer"
     else:
         ours_cmd = [sys.executable, os.path.join(REPO, "ppo.py"), *common, "--reward_model_path", f"{world}/reward_model"]
         peer_python = os.path.join(HERE, ".venv-trl021", "bin", "python")
@@ -116,7 +130,8 @@ if __name__ == "__main__":
     ).stdout.strip()
     ours_eps = ours[-1]["eps"]  # episodes per second of training, loading excluded, for both
     peer_eps = peer[-1]["episode"] / peer[-1]["seconds"]
-    ours_len = sum(r["val/response_length"] for r in ours) / len(ours)
+    length_key = "completions/mean_length" if args.algo == "grpo" else "val/response_length"
+    ours_len = sum(r[length_key] for r in ours) / len(ours)
     peer_lengths = [r.get("length") for r in peer]  # TRL's PPOTrainer does not log it: counted at the full length
     peer_len = sum(peer_lengths) / len(peer) if None not in peer_lengths else float(length)
 
@@ -125,7 +140,7 @@ if __name__ == "__main__":
     # generation 2 + the policy's and the reference's logprob passes 2 x 2 + the training pass 6; its LM head (H) is
     # needed only where a response token is predicted, also 12 times. PPO adds the critic's and the reward model's
     # passes (2 x 2) and the critic's training (6), 10 more times B: they have no LM head. Attention's own FLOPs are
-    # left out.
+    # left out. GRPO runs RLOO's passes (without the reference's 2 when beta is 0).
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f"{world}/model"))
@@ -137,7 +152,9 @@ if __name__ == "__main__":
     prompt_len = sum(prompt_lengths) / len(prompt_lengths)
 
     def side(eps, response_len, mem, wall):
-        flops = (12 if args.algo == "rloo" else 22) * body * (prompt_len + response_len) + 12 * head * response_len
+        head_passes = 10 if args.algo == "grpo" and not args.beta else 12
+        passes = {"rloo": 12, "ppo": 22, "grpo": head_passes}[args.algo]
+        flops = passes * body * (prompt_len + response_len) + head_passes * head * response_len
         return {
             "episodes_per_s": eps,
             "generated_tokens_per_s": eps * response_len,
@@ -150,7 +167,9 @@ if __name__ == "__main__":
     results = {
         "setting": {"algo": args.algo, "updates": args.updates, "completions_per_update": k * prompts,
                     "response_length": length, "epochs": 1, "mini_batches": 1, "learning_rate": args.learning_rate,
-                    "seed": args.seed},
+                    "seed": args.seed}
+                   | ({"beta": args.beta, "loss_type": args.loss_type, "scale_rewards": args.scale_rewards}
+                      if args.algo == "grpo" else {}),
         "machine": {"cpu_count": os.cpu_count(), "matmul_peak_gflops": peak_flops / 1e9, "torch": torch.__version__},
         "ours": side(ours_eps, ours_len, ours_mem, ours_wall),
         "trl": side(peer_eps, peer_len, peer_mem, peer_wall) | {"version": peer_version},
@@ -183,14 +202,20 @@ if __name__ == "__main__":
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     curves = [
         (
-            "reward (vowel share)" if args.algo == "rloo" else "reward (random reward model)",
+            "reward (vowel share)" if args.algo != "ppo" else "reward (random reward model)",
             [r["objective/scores"] for r in ours],
             [r["reward"] for r in peer],
         ),
         (
-            "KL to the reference" + (" (mean per token)" if args.algo == "rloo" else " (summed per completion)"),
-            # TRL's RLOOTrainer logs a per-token mean, its PPOTrainer a per-completion sum, as our scripts
-            [r["objective/kl"] / (r["val/response_length"] if args.algo == "rloo" else 1) for r in ours],
+            "KL to the reference" + (" (summed per completion)" if args.algo == "ppo" else " (mean per token)"),
+            # TRL's RLOOTrainer and GRPOTrainer log a per-token mean, its PPOTrainer a per-completion sum, as our
+            # scripts; grpo.py logs TRL's per-token `kl` itself (none with beta 0)
+            [
+                r.get("kl")
+                if args.algo == "grpo"
+                else r["objective/kl"] / (r["val/response_length"] if args.algo == "rloo" else 1)
+                for r in ours
+            ],
             [r["kl"] for r in peer],
         ),
         ("episodes/s", [r["eps"] for r in ours], [r["episode"] / r["seconds"] for r in peer]),

@@ -52,7 +52,7 @@ def shipped_config(name, processes, folder):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir):
-    """The arguments of small runs of rloo.py, ppo.py and rloo_tldr.py: 16 completions per update, split over
+    """The arguments of small runs of rloo.py, ppo.py, rloo_tldr.py and grpo.py: 16 completions per update, split over
     gradient accumulation and processes by the caller; one mini-batch, so that the split does not change the steps.
     The policy stops at its EOS token at different steps, so processes finish generating at different steps too."""
     folder = tmp_path_factory.mktemp("runs")
@@ -64,6 +64,10 @@ def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_fi
     return {
         "rloo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4"
         f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common,
+        # the batch's std and DAPO's token count (the default loss) are the global batch's: summed over processes
+        "grpo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --num_generations 4"
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_iterations 2 --beta 0.1"
+        " --scale_rewards batch --mask_truncated_completions" + common,
         # PPO's per-token means depend on how tokens fall into micro-batches unless every completion is as long
         "ppo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --stop_token None"
         f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common,
@@ -96,6 +100,8 @@ SAME = {
     "ppo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward val/vpred loss/value_avg",
     "rloo_tldr.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg"
     " val/num_eos_tokens val/response_length eval/scores eval/response_length eval/stopped_fraction",
+    "grpo.py": "reward reward_std frac_reward_zero_std objective/kl objective/entropy loss/policy_avg kl entropy"
+    " policy/approxkl_avg completions/mean_length completions/min_length completions/max_length val/num_eos_tokens",
 }
 
 
@@ -115,8 +121,11 @@ def assert_same_run(one, two, script):
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", ["plain", "zero2", "zero3"])
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "rloo_tldr.py"])
+@pytest.mark.parametrize(
+    "script, config",
+    [(s, c) for s in ["rloo.py", "ppo.py", "rloo_tldr.py"] for c in ["plain", "zero2", "zero3"]]
+    + [("grpo.py", "plain"), ("grpo.py", "zero2")],
+)
 def test_two_processes_match_one(script, config, tmp_path, runs, one_process):
     """Two processes x 2 micro-batches against one process x 4, under each shipped way to run several processes
     (plain data parallelism, ZeRO-2, ZeRO-3): the same completions each update (the sampling noise is drawn for the
@@ -133,7 +142,7 @@ def test_two_processes_match_one(script, config, tmp_path, runs, one_process):
     assert_same_run(one, two, script)
     train = [r for r in read_metrics(one) if "objective/scores" in r]
     assert len(train) >= 2 and train[0]["objective/scores"] != train[-1]["objective/scores"]  # later rollouts moved
-    if script == "rloo.py":  # completions stop at different steps
+    if script in ("rloo.py", "grpo.py"):  # completions stop at different steps
         assert 0 < train[0]["val/num_eos_tokens"] < 16
 
 
@@ -272,7 +281,7 @@ def test_bf16_rollout_policy_and_reference_agree(run, tmp_path, tiny_model_dir, 
     assert bf16["objective/entropy"] == pytest.approx(fp32["objective/entropy"], rel=0.05)
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "grpo.py"])
 def test_gradient_checkpointing_changes_only_memory(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """The same run with and without --gradient_checkpointing, on a model with dropout in its config: checkpointing
     needs train mode, and with every dropout zeroed that computes what eval mode does. For rloo.py this also compares

@@ -1,4 +1,4 @@
-"""Checkpoints, exact resume after kill -9, non-finite guards: for rloo.py and ppo.py."""
+"""Checkpoints, exact resume after kill -9, non-finite guards: for rloo.py, ppo.py and grpo.py."""
 
 import os
 import shlex
@@ -9,18 +9,21 @@ import sys
 import pytest
 import torch
 from conftest import REPO, kill_after_rows
-from test_rloo import check_ok, read_metrics
+from test_rloo import VOWELS, check_ok, read_metrics
 
 SCRIPTS = {
     "rloo.py": "--rloo_k 2",
     "ppo.py": "--kl_target 0.5 --kl_horizon 100",  # the adaptive coefficient is state that must survive a resume
+    # unscaled advantages: with the non-finite test's huge scores a group's std would overflow and zero them
+    "grpo.py": "--num_generations 2 --beta 0.05 --scale_rewards none",
 }
 
 
 def command(script, model, prompts, out, extra=""):
+    epochs = "--num_iterations" if script == "grpo.py" else "--num_ppo_epochs"  # GRPO's name for the passes
     return (
         f"{script} {SCRIPTS[script]} --model_name_or_path {model} --dataset_name {prompts} --output_dir {out}"
-        " --total_episodes 160 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_ppo_epochs 2"
+        f" --total_episodes 160 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 {epochs} 2"
         f" --num_mini_batches 1 --response_length 8 --num_sample_generations 0 --checkpoint_every 1 {extra}"
     )
 
@@ -31,20 +34,25 @@ def without_eps(rows):
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_kill_then_resume_gives_the_uninterrupted_metrics(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    extra = ""
+    if script == "grpo.py":  # the sentiment of random text is 0 for every completion: GRPO would have nothing to learn
+        (tmp_path / "reward.py").write_text(VOWELS)
+        extra = f"--reward_fn {tmp_path}/reward.py:vowels"
+    extra += " --log_completions"
     full = tmp_path / "full"
-    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, full, "--log_completions"), cwd=tmp_path))
+    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, full, extra), cwd=tmp_path))
     expected = read_metrics(full)
     assert len(expected) == 10
 
     # the same run, killed with SIGKILL while it trains (possibly mid-checkpoint or mid-row), then resumed
     cut = tmp_path / "cut"
-    first, *rest = shlex.split(command(script, tiny_model_dir, tiny_prompts_file, cut, "--log_completions"))
+    first, *rest = shlex.split(command(script, tiny_model_dir, tiny_prompts_file, cut, extra))
     proc = subprocess.Popen(
         [sys.executable, os.path.join(REPO, first), *rest], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     assert 4 <= kill_after_rows(proc, cut, 4) < 10
 
-    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, cut, "--resume --log_completions"), cwd=tmp_path))
+    check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, cut, f"--resume {extra}"), cwd=tmp_path))
     resumed = read_metrics(cut)
     assert [r["episode"] for r in resumed] == [16 * i for i in range(1, 11)]  # no duplicate, no missing row
     assert without_eps(resumed) == without_eps(expected)

