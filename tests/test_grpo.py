@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO
-from test_rloo import VOWELS, check_ok, read_metrics
+from test_rloo import VOWELS, check_ok, read_metrics, reward_keys
 
 sys.path.insert(0, REPO)
 from grpo import aggregate_loss, group_advantages  # noqa: E402
@@ -17,7 +17,7 @@ from grpo import aggregate_loss, group_advantages  # noqa: E402
 KEYS = (
     "episode eps lr reward reward_std frac_reward_zero_std entropy clip_ratio/low_mean clip_ratio/high_mean"
     " clip_ratio/region_mean completions/mean_length completions/min_length completions/max_length objective/scores"
-    " objective/entropy policy/approxkl_avg loss/policy_avg val/ratio val/ratio_var val/num_eos_tokens"
+    " objective/entropy policy/approxkl_avg loss/policy_avg val/ratio val/ratio_var val/num_eos_tokens objective/unscored"
 ).split()
 KL_KEYS = ["kl", "objective/kl"]  # only with --beta > 0
 
@@ -127,7 +127,7 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, eos_model
     rows = read_metrics(out)
     assert [r["episode"] for r in rows] == [32, 64]
     for r in rows:
-        assert sorted(r) == sorted(KEYS + KL_KEYS)
+        assert sorted(r) == sorted(KEYS + KL_KEYS + reward_keys("vowels"))
         assert all(math.isfinite(v) for v in r.values())
         assert r["reward"] == r["objective/scores"]
         assert 1 <= r["completions/min_length"] <= r["completions/mean_length"] <= r["completions/max_length"] <= 8
@@ -267,5 +267,30 @@ def test_embedded_default_runs_offline(run, tmp_path):
     )
     check_ok(proc)
     (row,) = read_metrics(out)
-    assert sorted(row) == sorted(KEYS) and row["episode"] == 8
+    assert sorted(row) == sorted(KEYS + reward_keys("sentiment")) and row["episode"] == 8
     assert -1.0 <= row["reward"] <= 1.0
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_group_advantages_leave_unscored_completions_out(scale_rewards):
+    """A completion no reward source scored: advantage 0, and out of its group's mean and std and of the batch's std.
+    Naive loops over the scored completions only; the unscored ones' scores (1000) must not leak anywhere."""
+    import statistics
+
+    k = 4
+    scores = torch.tensor([1.0, 2.0, 1000.0, 4.0, 5.0, 1000.0, 1000.0, 1000.0, 3.0, 3.0, 1000.0, 7.0])
+    scored = torch.tensor([1, 1, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    kept = [s.item() for s, ok in zip(scores, scored) if ok]
+    expected = torch.zeros_like(scores)
+    for j in range(len(scores) // k):
+        group = [scores[j * k + i].item() for i in range(k) if scored[j * k + i]]
+        if len(group) < 2 or len(set(group)) == 1:
+            continue
+        mean = sum(group) / len(group)
+        scale = {"group": statistics.stdev(group), "batch": statistics.stdev(kept), "none": 0.0}[scale_rewards] + 1e-4
+        for i in range(k):
+            if scored[j * k + i]:
+                expected[j * k + i] = (scores[j * k + i].item() - mean) / (scale if scale_rewards != "none" else 1.0)
+    advantages, zero_std = group_advantages(scores, k, scale_rewards, scored=scored)
+    torch.testing.assert_close(advantages, expected)
+    assert zero_std.tolist() == [False] * 4 + [True] * 4 + [False] * 4  # the second group has one scored completion

@@ -88,7 +88,7 @@ def test_columns_reach_functions_and_weighted_sources_add_up(run, tmp_path, tiny
     assert "from_column" in proc.stdout and "constant" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "grpo.py"])
 def test_unscored_completions_take_no_part(script, run, tmp_path, tiny_model_dir, eos_model_dir, columns_data):
     """None from a source: a completion no source scored gets advantage 0 and stays out of the baselines (RLOO) and
     of the update (PPO). Partly None: the RLOO advantages are the leave-one-out over the scored completions only. All
@@ -97,7 +97,7 @@ def test_unscored_completions_take_no_part(script, run, tmp_path, tiny_model_dir
     from safetensors.torch import load_file
 
     data, rows = columns_data
-    k = "--rloo_k 4" if script == "rloo.py" else ""
+    k = {"rloo.py": "--rloo_k 4", "ppo.py": "", "grpo.py": "--num_generations 4"}[script]
     if script == "rloo.py":
         out = tmp_path / "partly"
         extra = f"{k} --kl_coef 0 --reward_fn {tmp_path}/rewards.py:picky --num_sample_generations 0"
