@@ -11,10 +11,14 @@ PPO_KEYS = RLOO_KEYS + ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "obje
 EVAL_KEYS = ["episode", "eval/scores", "eval/response_length", "eval/stopped_fraction"]
 
 
-def validation_rows(tldr_dir):
+def datasets_rows(tldr_dir, split):
     import datasets
 
-    return datasets.load_dataset(tldr_dir, split="validation").to_list()
+    return datasets.load_dataset(tldr_dir, split=split).to_list()
+
+
+def validation_rows(tldr_dir):
+    return datasets_rows(tldr_dir, "validation")
 
 
 def read_samples(out, episode):
@@ -119,6 +123,30 @@ def test_ppo_tldr_trains_evaluates_and_saves_the_critic(run, tmp_path, tldr_dir,
     assert [r["episode"] for r in evals] == [0, 32] and all(sorted(r) == sorted(EVAL_KEYS) for r in evals)
     assert [s["index"] for s in read_samples(out, 32)] == list(range(10))
     assert os.path.exists(out / "critic" / "model.safetensors")
+
+
+def test_tldr_adds_weighted_sources_to_its_reward_model(run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
+    """The TL;DR reward model is the first reward source; a function reading a dataset column joins it with a weight,
+    while the evaluation stays the reward model's alone."""
+    (tmp_path / "r.py").write_text(
+        "def ref_length(prompts, completions, completion):\n    return [len(c) for c in completion]\n"
+    )
+    out = tmp_path / "out"
+    extra = f"--total_episodes 16 --reward_fn {tmp_path}/r.py:ref_length --reward_weights 1 0.5 --log_completions"
+    extra += " --missing_eos_penalty 0"  # the score is then the weighted sum alone
+    check_ok(run(small("rloo_tldr.py", tldr_dir, tiny_model_dir, tiny_reward_model_dir, out, extra), tmp_path))
+    name = os.path.basename(tiny_reward_model_dir)
+    references = {r["prompt"]: r["completion"] for r in datasets_rows(tldr_dir, "train")}
+    with open(out / "completions.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert len(logged) == 16
+    for r in logged:  # the `completion` column is the dataset's reference summary, as it is stored
+        assert r["rewards/ref_length"] == len(references[r["prompt"]])
+        assert r["score"] == pytest.approx(r[f"rewards/{name}"] + 0.5 * r["rewards/ref_length"], abs=1e-4)
+    (row,) = [m for m in read_metrics(out) if "objective/scores" in m]
+    assert row["objective/scores"] == pytest.approx(sum(r["score"] for r in logged) / 16, abs=1e-4)
+    evals = [m for m in read_metrics(out) if "eval/scores" in m]
+    assert evals[0]["eval/scores"] == pytest.approx(sum(s["score"] for s in read_samples(out, 0)) / 10)
 
 
 def test_long_eval_prompts_are_dropped_or_truncated(run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
