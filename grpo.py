@@ -361,6 +361,8 @@ if __name__ == "__main__":
         tokenizer=tokenizer,
         max_prompt_length=args.max_prompt_length,
     )
+    # the reward sources, in --reward_weights' order: reward models, functions, servers
+    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     # the frozen initial policy; none with --beta 0 (never run), or with LoRA (the policy with its adapters switched
     # off). Under ZeRO-3 the weights are sharded as they load, so the reference is loaded anew rather than copied
@@ -370,8 +372,6 @@ if __name__ == "__main__":
         ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
-    # the reward sources, in --reward_weights' order: reward models, functions, servers
-    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
     if args.use_peft:

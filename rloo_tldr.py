@@ -318,6 +318,8 @@ if __name__ == "__main__":
         long_prompts=args.eval_long_prompts,
     )
     eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
+    # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), functions, servers
+    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=[args.reward_model_path])
     policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
     # the frozen SFT policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
     # weights are sharded as they load, so the reference is loaded anew rather than copied
@@ -327,9 +329,6 @@ if __name__ == "__main__":
         ref_policy = load_pretrained(AutoModelForCausalLM, args.sft_model_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
-    # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), functions, servers
-    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=[args.reward_model_path])
-    reward_model, rm_tokenizer = sources[0]["model"], sources[0]["tokenizer"]
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
     if args.use_peft:
@@ -351,7 +350,6 @@ if __name__ == "__main__":
     for source in sources:
         if "model" in source:
             source["model"] = prepare_frozen(accelerator, source["model"])
-    reward_model = sources[0]["model"]
 
     # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
     # each process takes its own slice of the global draw
@@ -388,8 +386,8 @@ if __name__ == "__main__":
             accelerator,
             policy=accelerator.unwrap_model(policy),
             tokenizer=tokenizer,
-            reward_model=reward_model,
-            rm_tokenizer=rm_tokenizer,
+            reward_model=sources[0]["model"],
+            rm_tokenizer=sources[0]["tokenizer"],
             eval_set=eval_set,
             response_length=args.response_length,
             stop_token_id=stop_token_id,

@@ -380,46 +380,50 @@ def load_reward_sources(args, tokenizer, columns, reward_model_paths):
     """The reward sources, in the order --reward_weights follows: reward models (reward_model_paths), then
     --reward_fn functions, then --reward_url servers, each in the order given; no source at all: `sentiment`.
     Returns a list of dicts {"name", "weight", and "model" + "tokenizer" (None: the policy's vocabulary), or "fn", or
-    "url"}; names (for rewards/<name>/...) are the function's name, the model's or server's last path part."""
+    "url"}; names (for rewards/<name>/...) are the function's name, the model's or server's last path part. Every
+    flag is checked, and the functions loaded, before any reward model loads."""
     from transformers import AutoModelForSequenceClassification
 
-    fns = list(args.reward_fn) or ([] if reward_model_paths or args.reward_url else ["sentiment"])
-    sources = []
-    for path in reward_model_paths:
-        model = load_pretrained(AutoModelForSequenceClassification, path, args.trust_remote_code)
-        if model.config.num_labels != 1:
-            die(f"reward model {path!r} has num_labels={model.config.num_labels}; it must be 1")
-        rm_tokenizer = load_tokenizer(path, args.trust_remote_code)
-        rm_tokenizer = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: score our tokens
-        name = os.path.basename(os.path.normpath(path)) or "reward_model"
-        sources.append({"name": name, "model": model.eval().requires_grad_(False), "tokenizer": rm_tokenizer})
-    for spec in fns:
+    if args.reward_url_batch_size < 1 or args.reward_url_timeout <= 0 or args.reward_url_retries < 0:
+        die("--reward_url_batch_size must be >= 1, --reward_url_timeout positive and --reward_url_retries >= 0")
+    models = [
+        {"name": os.path.basename(os.path.normpath(path)) or "reward_model", "path": path} for path in reward_model_paths
+    ]
+    fns = []
+    for spec in list(args.reward_fn) or ([] if reward_model_paths or args.reward_url else ["sentiment"]):
         fn = load_reward_fn(spec, columns)
-        sources.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn})
+        fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn})
+    servers = []
     for url in args.reward_url:
         if not url.startswith(("http://", "https://")):
             die(f"--reward_url {url!r} must start with http:// or https://")
-        name = url.rstrip("/").rsplit("/", 1)[-1] or "server"
-        sources.append(
+        servers.append(
             {
-                "name": name,
+                "name": url.rstrip("/").rsplit("/", 1)[-1] or "server",
                 "url": url,
                 "batch_size": args.reward_url_batch_size,
                 "timeout": args.reward_url_timeout,
                 "retries": args.reward_url_retries,
             }
         )
+    sources = models + fns + servers
     if args.reward_weights and len(args.reward_weights) != len(sources):
         names = ", ".join(s["name"] for s in sources)
         die(f"--reward_weights has {len(args.reward_weights)} weights for {len(sources)} reward sources ({names})")
-    if args.reward_url_batch_size < 1 or args.reward_url_timeout <= 0 or args.reward_url_retries < 0:
-        die("--reward_url_batch_size must be >= 1, --reward_url_timeout positive and --reward_url_retries >= 0")
     seen = {}
     for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
         source["weight"] = float(weight)
         seen[source["name"]] = seen.get(source["name"], 0) + 1
         if seen[source["name"]] > 1:  # two sources of one name: rewards/vowels, rewards/vowels_2
             source["name"] += f"_{seen[source['name']]}"
+    for source in models:
+        path = source.pop("path")
+        model = load_pretrained(AutoModelForSequenceClassification, path, args.trust_remote_code)
+        if model.config.num_labels != 1:
+            die(f"reward model {path!r} has num_labels={model.config.num_labels}; it must be 1")
+        rm_tokenizer = load_tokenizer(path, args.trust_remote_code)
+        source["model"] = model.eval().requires_grad_(False)
+        source["tokenizer"] = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: our tokens
     return sources
 
 
