@@ -28,9 +28,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from rich.console import Console
 from rich.pretty import pprint
-from rich.table import Table
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -54,6 +52,7 @@ from utils import (
     logprobs_from_logits,
     open_logs,
     prepare_frozen,
+    print_samples,
     process_group_kwargs,
     reference_model,
     reward_stats,
@@ -544,15 +543,10 @@ if __name__ == "__main__":
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             # the weighted score over the completions some source scored; each source's own statistics
-            scored_sum, num_scored = accelerator.reduce(
-                torch.stack([scores.masked_fill(~scored, 0.0).sum(), scored.float().sum()]), reduction="sum"
-            ).tolist()
-            source_stats = reward_stats(accelerator, per_source, sources)
+            source_stats = reward_stats(accelerator, per_source, sources, scores=scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
-        metrics["objective/scores"] = scored_sum / max(num_scored, 1)
-        metrics["objective/unscored"] = args.batch_size - num_scored
         metrics.update(source_stats)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
@@ -560,13 +554,15 @@ if __name__ == "__main__":
             for k, v in metrics.items():
                 writer.add_scalar(k, v, episode)
             if sample_every and (update - 1) % sample_every == 0:
-                names = [source["name"] for source in sources]
-                table = Table("query", "response", *names, "score", title=f"update {update}", show_lines=True)
-                decoded = tokenizer.batch_decode(responses[:4], skip_special_tokens=True)
-                for j, (q, r) in enumerate(zip(texts[:4], decoded)):
-                    rewards = [f"{v:.3f}" for v in per_source[:, j].tolist()]  # nan: that source could not judge it
-                    table.add_row(q, r, *rewards, f"{scores[j].item():.3f}" if scored[j] else "-")
-                Console().print(table)
+                print_samples(
+                    f"update {update}",
+                    prompts=texts[:4],
+                    completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
+                    per_source=per_source,
+                    sources=sources,
+                    scores=scores,
+                    scored=scored,
+                )
         if args.log_completions:
             write_completions(
                 accelerator,

@@ -503,18 +503,35 @@ def weighted_scores(per_source, sources):
     return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
 
 
-def reward_stats(accelerator, per_source, sources):
-    """rewards/<name>/mean and rewards/<name>/std of each source over the completions it scored, on all processes."""
+def reward_stats(accelerator, per_source, sources, scores, scored):
+    """The reward metrics over all processes: rewards/<name>/mean and rewards/<name>/std of each source over the
+    completions it scored, objective/scores (the weighted score over the completions some source scored) and
+    objective/unscored (how many no source scored). One reduction; every process calls it."""
     valid = ~per_source.isnan()
     values = per_source.nan_to_num(0.0)
     sums = torch.stack([values.sum(1), (values * values).sum(1), valid.sum(1).float()], 1)  # (sources, 3)
-    total, square, count = accelerator.reduce(sums, reduction="sum").unbind(1)
+    weighted = torch.stack([scores.masked_fill(~scored, 0.0).sum(), scored.float().sum(), torch.tensor(len(scored))])
+    sums = accelerator.reduce(torch.cat([sums, weighted.to(sums)[None]]), reduction="sum")  # (sources + 1, 3)
+    (total, square, count), (scored_sum, num_scored, n) = sums[:-1].unbind(1), sums[-1].tolist()
     mean = total / count.clamp(min=1)
     std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
-    stats = {}
+    stats = {"objective/scores": scored_sum / max(num_scored, 1), "objective/unscored": n - num_scored}
     for source, m, sd in zip(sources, mean.tolist(), std.tolist()):
         stats[f"rewards/{source['name']}/mean"], stats[f"rewards/{source['name']}/std"] = m, sd
     return stats
+
+
+def print_samples(title, prompts, completions, per_source, sources, scores, scored):
+    """A table of sample completions with each source's reward (nan: that source could not judge it) and the
+    weighted score ("-": no source scored it), one row per completion given."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("query", "response", *[source["name"] for source in sources], "score", title=title, show_lines=True)
+    for j, (prompt, completion) in enumerate(zip(prompts, completions)):
+        rewards = [f"{v:.3f}" for v in per_source[:, j].tolist()]
+        table.add_row(prompt, completion, *rewards, f"{scores[j].item():.3f}" if scored[j] else "-")
+    Console().print(table)
 
 
 def scalar_forward(model, input_ids, attention_mask):
