@@ -407,6 +407,10 @@ if __name__ == "__main__":
         1 if args.per_device_train_batch_size % args.num_generations or args.gradient_checkpointing else args.num_generations
     )
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    # one pass over one mini-batch: the policy takes its only step after reading every micro-batch, so the update's
+    # own logprobs, detached, are the rollout policy's, and the rollout skips that forward pass (as TRL's GRPOTrainer;
+    # the ratio is then exactly 1)
+    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
@@ -482,12 +486,14 @@ if __name__ == "__main__":
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
-                # logprobs of the distribution sampled from: logits / temperature
+                # logprobs of the distribution sampled from: logits / temperature (on policy, the update's own; below)
                 keep = response.shape[1] + 1
-                logits = forward_grouped(
-                    unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
-                )
-                logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
+                if not on_policy:
+                    logits = forward_grouped(
+                        unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                    )
+                    logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
+                    del logits  # (chunk, width, vocab)
                 if args.beta:  # with --beta 0 no reference exists, and none runs
                     with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                         ref_logits = forward_grouped(
@@ -513,11 +519,13 @@ if __name__ == "__main__":
                 )
                 responses.append(response)
                 lengths.append(length)
-            del logits  # (chunk, width, vocab): freed before the update allocates its own
             # chunks may stop at different lengths: pad them all to the longest
             width = max(r.shape[1] for r in responses)
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
-            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
+            if on_policy:  # filled in by the update, micro-batch by micro-batch
+                logprobs = torch.full(responses.shape, INVALID_LOGPROB, device=device)
+            else:
+                logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
             per_source = torch.cat(per_source, 1)  # (sources, local batch)
             # the weighted sum over the sources that scored each completion; one that none scored takes no part below
             scores, scored = weighted_scores(per_source, sources)
@@ -581,6 +589,8 @@ if __name__ == "__main__":
                         )
                         # padding as in the rollout's logprobs: ratio 1 and KL 0 there, never an overflow
                         new_logprobs = new_logprobs.masked_fill(mb_padding, INVALID_LOGPROB)
+                        if on_policy:  # the policy has not stepped since the rollout: these are its logprobs
+                            logprobs[micro_inds] = new_logprobs.detach()
                         # the token-level ratio: GRPO treats each token as an action sharing its completion's advantage
                         logprobs_diff = new_logprobs - logprobs[micro_inds]
                         ratio = torch.exp(logprobs_diff)

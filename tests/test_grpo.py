@@ -188,12 +188,16 @@ print("PROBE " + json.dumps({"ran": len(ran), "alive": len(alive)}))
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_beta_zero_builds_and_runs_no_reference(beta, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """--beta 0: one causal LM exists (the policy) and only its forward runs, and no KL is logged; with --beta 0.1 the
-    reference is a second model, and it runs."""
+    reference is a second model, and it runs. With one iteration of one mini-batch the rollout's logprobs are the
+    update's own (that pass is skipped), so every ratio is exactly 1; micro-batches of 2 rows run the prompts of the
+    k = 4 completions in full, where the rollout runs each once, so a separate rollout pass would differ in the last
+    bits."""
     import subprocess
 
     (tmp_path / "probe.py").write_text(PROBE)
     args = common(tiny_model_dir, tiny_prompts_file, tmp_path).split()[1:]
     args += f"--total_episodes 16 --response_length 6 --beta {beta} --no_save_model --output_dir {tmp_path / 'out'}".split()
+    args += "--per_device_train_batch_size 2 --gradient_accumulation_steps 8".split()
     cmd = [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, "grpo.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     check_ok(proc)
@@ -205,6 +209,7 @@ def test_beta_zero_builds_and_runs_no_reference(beta, run, tmp_path, tiny_model_
     else:
         assert probe == {"ran": 2, "alive": 2}
         assert set(KL_KEYS) <= set(row)
+    assert row["val/ratio"] == 1.0 and row["policy/approxkl_avg"] == 0.0
 
 
 def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_prompts_file):
