@@ -490,7 +490,12 @@ if __name__ == "__main__":
                 keep = response.shape[1] + 1
                 if not on_policy:
                     logits = forward_grouped(
-                        unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
+                        unwrapped,
+                        query_response,
+                        mask,
+                        context_length=context_length,
+                        group=rollout_group,
+                        logits_to_keep=keep,
                     )
                     logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
                     del logits  # (chunk, width, vocab)
