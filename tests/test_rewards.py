@@ -1,6 +1,7 @@
 """Reward sources as users combine them: dataset columns reaching reward functions, several weighted sources, None
 ("cannot judge"), a reward server over real HTTP on 127.0.0.1, per-completion logs, and the shipped arithmetic task."""
 
+import glob
 import json
 import os
 import re
@@ -55,13 +56,16 @@ def command(script, model, data, out, extra):
 
 def test_columns_reach_functions_and_weighted_sources_add_up(run, tmp_path, tiny_model_dir, columns_data, monkeypatch):
     """fn(prompts, completions, **columns) gets each completion's own row; two sources with weights 0.5 and 3 sum to
-    the score; each source's statistics are logged; completions.jsonl holds every completion with its rewards."""
+    the score; each source's statistics are logged; completions.jsonl holds every completion with its rewards, and
+    with --track (wandb offline) each update's rows are a wandb table."""
     monkeypatch.setenv("COLUMNS", "200")  # room for the sample table's column names
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     data, rows = columns_data
     out = tmp_path / "out"
     extra = (
         f"--rloo_k 4 --reward_fn {tmp_path}/rewards.py:from_column --reward_fn {tmp_path}/rewards.py:constant"
-        " --reward_weights 0.5 3 --num_sample_generations 2"
+        " --reward_weights 0.5 3 --num_sample_generations 2 --track"
     )
     proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
     check_ok(proc)
@@ -86,6 +90,15 @@ def test_columns_reach_functions_and_weighted_sources_add_up(run, tmp_path, tiny
             assert sum(group) == pytest.approx(0.0, abs=1e-4)
     # the console table has a column per source
     assert "from_column" in proc.stdout and "constant" in proc.stdout
+    # the wandb tables: one per update, the same rows as completions.jsonl (wandb stores NaN-free floats as given)
+    (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    tables = sorted(glob.glob(os.path.join(run_dir, "files", "media", "table", "completions_*.table.json")))
+    assert len(tables) == 2
+    for path in tables:
+        with open(path) as f:
+            table = json.load(f)
+        update = {tuple(r.values()) for r in logged if r["update"] == table["data"][0][table["columns"].index("update")]}
+        assert table["columns"] == list(logged[0]) and {tuple(r) for r in table["data"]} == update
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "grpo.py"])
