@@ -140,7 +140,8 @@ if __name__ == "__main__":
     # generation 2 + the policy's and the reference's logprob passes 2 x 2 + the training pass 6; its LM head (H) is
     # needed only where a response token is predicted, also 12 times. PPO adds the critic's and the reward model's
     # passes (2 x 2) and the critic's training (6), 10 more times B: they have no LM head. Attention's own FLOPs are
-    # left out. GRPO runs RLOO's passes (without the reference's 2 when beta is 0).
+    # left out. GRPO runs RLOO's passes (without the reference's 2 when beta is 0); with one iteration of one
+    # mini-batch both sides skip the old-policy logprob pass, which the formula still counts on both sides.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f"{world}/model"))
