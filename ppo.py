@@ -46,6 +46,7 @@ from utils import (
     die,
     disable_dropout,
     forward,
+    full_kl,
     generate,
     get_scores,
     kl_estimate,
@@ -154,9 +155,11 @@ class Args:
     # algorithm
     kl_coef: float = 0.05
     """the weight of the KL penalty (the initial one with --kl_target)"""
-    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
-    """the per-token KL estimator; None: k1 in the reward, k2 in the loss. In the loss only its gradient counts: k2's is
-    that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's choice), k1's zero in expectation (refused)"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs", "full"]] = None
+    """the per-token KL estimator; None: k1 in the reward, k2 in the loss. abs: |log(p / ref)|; full: the exact KL over
+    the whole vocabulary at each position, from both models' logits (in the reward only). In the loss only its gradient
+    counts: k2's is that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's choice), abs's that of twice the
+    total variation distance, k1's zero in expectation (refused)"""
     kl_penalty: Literal["reward", "loss"] = "reward"
     """where the KL goes: subtracted from each token's reward, or added to the policy loss"""
     kl_target: Optional[float] = None
@@ -184,6 +187,9 @@ class Args:
     None: the reward model if given (and of the policy's vocabulary), else the policy's trunk with a new head"""
     value_head_shared: bool = False
     """put the value head on the policy's trunk instead of training a separate critic"""
+    critic_warmup_updates: int = 0
+    """train the critic alone for this many first updates: the policy, and its optimiser state, stay as they are, so
+    its first advantages come from a critic that has learnt the rewards"""
 
     # optimisation
     total_episodes: int = 320
@@ -332,7 +338,10 @@ if __name__ == "__main__":
     if args.kl_estimator is None:
         args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
     if args.kl_penalty == "loss" and args.kl_estimator == "k1":
-        die("--kl_penalty loss needs --kl_estimator k2 or k3: k1's gradient is zero in expectation")
+        die("--kl_penalty loss needs --kl_estimator k2 or k3 (or abs): k1's gradient is zero in expectation")
+    if args.kl_penalty == "loss" and args.kl_estimator == "full":
+        # the update would need the reference's logits too; k2's gradient is the exact KL's in expectation anyway
+        die("--kl_penalty loss cannot use --kl_estimator full (it needs the reference's logits); use k2 (the same gradient)")
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_horizon <= 0):
         die("--kl_target and --kl_horizon must be positive")
     if args.value_head_shared and args.value_model_path:
@@ -345,6 +354,10 @@ if __name__ == "__main__":
             f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
             f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
         )
+    if not 0 <= args.critic_warmup_updates < args.num_updates:
+        die(f"--critic_warmup_updates must be >= 0 and below the run's {args.num_updates} updates, or the policy never trains")
+    if args.critic_warmup_updates and args.value_head_shared:
+        die("--critic_warmup_updates needs a separate critic: with --value_head_shared the value loss trains the policy")
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -478,6 +491,7 @@ if __name__ == "__main__":
     ):
         episode += args.batch_size
         lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate
+        warmup = update <= args.critic_warmup_updates  # only the critic learns
         for group in optimizer.param_groups:
             group["lr"] = lr
 
@@ -505,7 +519,7 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(model)
-            responses, logprobs, ref_logprobs, values, per_source, lengths = [], [], [], [], [], []
+            responses, logprobs, ref_logprobs, full_kls, values, per_source, lengths = [], [], [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
@@ -534,6 +548,8 @@ if __name__ == "__main__":
                 with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
+                if args.kl_estimator == "full":  # the exact KL, while both models' logits are at hand
+                    full_kls.append(full_kl(logits[:, :-1], ref_logits[:, :-1], args.temperature))
 
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
                 # last real token, functions and servers the decoded text and the rows' dataset columns
@@ -579,8 +595,11 @@ if __name__ == "__main__":
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos).float()
 
-            # 3. KL penalty: per-token estimate against the reference, zero on padding, in each token's reward
-            kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+            # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, in each token's reward
+            if args.kl_estimator == "full":
+                kl = torch.cat([F.pad(k, (0, width - k.shape[1])) for k in full_kls]).masked_fill(padding_mask, 0.0)
+            else:
+                kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
             non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
             rewards, value_mask = place_scores(non_score_reward, scores, lengths, args.score_position)
             rlhf_reward = rewards.sum(1)
@@ -634,14 +653,22 @@ if __name__ == "__main__":
                             mask=mb_value_mask,
                             cliprange_value=args.cliprange_value,
                         )
-                        loss = pg_loss + args.vf_coef * vf_loss
+                        # in the critic's warm-up the policy's losses count zero times: still in the graph, so DDP
+                        # finds a gradient for every parameter
+                        policy_weight = 0.0 if warmup else 1.0
+                        loss = policy_weight * pg_loss + args.vf_coef * vf_loss
                         if args.kl_penalty == "loss":
                             kl_loss = kl_estimate(new_logprobs, ref_logprobs[micro_inds], args.kl_estimator)
-                            loss = loss + kl_coef * masked_mean(kl_loss, mb_mask)
+                            loss = loss + policy_weight * kl_coef * masked_mean(kl_loss, mb_mask)
                         if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
+                            if warmup and accelerator.state.deepspeed_plugin is None:
+                                # no gradient rather than a zero one: AdamW then skips the policy, leaving its moments
+                                # and step count as they were, so that its first step after the warm-up is Adam's first
+                                for p in accelerator.unwrap_model(model).policy.parameters():
+                                    p.grad = None
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                             # (None under DeepSpeed versions that clip inside their own step)
                             if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
@@ -691,6 +718,8 @@ if __name__ == "__main__":
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
         metrics["objective/kl_coef"] = kl_coef
+        if args.critic_warmup_updates:
+            metrics["policy/critic_warmup"] = float(warmup)  # 1: only the critic learnt in this update
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -719,8 +748,8 @@ if __name__ == "__main__":
                 scores=scores.masked_fill(~scored, float("nan")),
                 advantages=masked_mean(advantages, train_mask, dim=1),
             )
-        # Ziegler et al.: adapt the KL coefficient to the KL measured in this update
-        if args.kl_target is not None:
+        # Ziegler et al.: adapt the KL coefficient to the KL measured in this update (held while the policy is)
+        if args.kl_target is not None and not warmup:
             kl_coef = adaptive_kl_coef(
                 kl_coef,
                 kl=metrics["objective/kl"],

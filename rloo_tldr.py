@@ -42,6 +42,7 @@ from utils import (
     disable_dropout,
     evaluate,
     forward_grouped,
+    full_kl,
     generate,
     get_scores,
     kl_estimate,
@@ -153,8 +154,9 @@ class Args:
     """the number of completions sampled per prompt"""
     kl_coef: float = 0.03
     """the weight of the KL penalty in the reward"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """the per-token KL estimator summed into the penalty"""
+    kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
+    """the per-token KL estimator summed into the penalty; abs: |log(p / ref)|; full: the exact KL over the whole
+    vocabulary at each position, from both models' logits"""
     cliprange: float = 0.2
     """the clip range of the sequence probability ratio"""
     normalize_advantage: bool = False
@@ -435,7 +437,7 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
-            responses, logprobs, ref_logprobs, per_source, lengths = [], [], [], [], []
+            responses, logprobs, ref_logprobs, full_kls, per_source, lengths = [], [], [], [], [], []
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
@@ -466,6 +468,8 @@ if __name__ == "__main__":
                         ref, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
                     )
                 ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
+                if args.kl_estimator == "full":  # the exact KL, while both models' logits are at hand
+                    full_kls.append(full_kl(logits[:, :-1], ref_logits[:, :-1], args.temperature))
 
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
                 # last real token, functions and servers the decoded text and the rows' dataset columns
@@ -508,8 +512,11 @@ if __name__ == "__main__":
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos).float()
 
-            # 3. KL penalty: per-token estimate against the reference, zero on padding, summed per completion
-            kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+            # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, summed per completion
+            if args.kl_estimator == "full":
+                kl = torch.cat([F.pad(k, (0, width - k.shape[1])) for k in full_kls]).masked_fill(padding_mask, 0.0)
+            else:
+                kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
             non_score_reward = -args.kl_coef * kl.sum(1)
             rlhf_reward = scores + non_score_reward
 

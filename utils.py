@@ -740,7 +740,8 @@ def kl_estimate(logprobs, ref_logprobs, kind="k1"):
     """Per-token estimators of KL(policy || ref) from tokens sampled from the policy (http://joschu.net/blog/kl-approx.html).
 
     k1 = log(p/q) is unbiased but can be negative; k2 = log(p/q)^2 / 2 is low-variance and biased;
-    k3 = q/p - 1 - log(q/p) is unbiased and never negative (p = policy, q = reference)."""
+    k3 = q/p - 1 - log(q/p) is unbiased and never negative (p = policy, q = reference); abs = |log(p/q)| (TRL's old
+    PPOTrainer) is never negative and biased upward. The exact KL over the vocabulary, "full", needs the logits: full_kl."""
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -748,7 +749,9 @@ def kl_estimate(logprobs, ref_logprobs, kind="k1"):
         return 0.5 * log_ratio**2
     if kind == "k3":
         return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2, k3 or abs")
 
 
 def masked_mean(values, mask, dim=None):
@@ -1057,3 +1060,26 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
 
         names = list(rows[0])
         wandb.log({"completions": wandb.Table(columns=names, data=[[row[n] for n in names] for row in rows])})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the exact KL (--kl_estimator full)
+
+
+@torch.no_grad()
+def full_kl(logits, ref_logits, temperature=1.0, budget=None):
+    """The exact KL(policy || reference) at each position, sum over the vocabulary of p (log p - log q) with
+    p = softmax(logits / temperature) and q = softmax(ref_logits / temperature), the distributions the logprobs are
+    taken under: logits and ref_logits (batch, seq, vocab) -> (batch, seq), float32. Computed in chunks of about
+    `budget` logits as logprobs_from_logits is, so no tensor of the batch's size is written beside the two logits."""
+    if budget is None:
+        budget = 1 << 20 if logits.device.type == "cpu" else 1 << 24  # as logprobs_from_logits
+    kl = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for b, t in _chunks(logits.shape, budget):
+        logp = torch.log_softmax(logits[b, t].float() / temperature, -1)
+        logq = torch.log_softmax(ref_logits[b, t].float() / temperature, -1)
+        p = logp.exp()
+        # 0 log 0 = 0: a token the policy rules out adds nothing, even where the reference rules it out too (-inf - -inf)
+        terms = logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0)
+        kl[b, t] = terms.sum(-1)
+    return kl.clamp_(min=0.0)  # never below 0, which rounding could reach where p and q (almost) agree
