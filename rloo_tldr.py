@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM
 from utils import (
     INVALID_LOGPROB,
     check_accelerate_config,
+    check_hub_args,
     check_resume_args,
     die,
     disable_dropout,
@@ -58,6 +59,7 @@ from utils import (
     prepare_frozen,
     print_samples,
     process_group_kwargs,
+    push_to_hub,
     record_eval,
     reference_model,
     reward_stats,
@@ -68,6 +70,7 @@ from utils import (
     weighted_scores,
     write_completions,
     write_eval_json,
+    write_model_card,
     zero3,
 )
 
@@ -82,7 +85,13 @@ class Args:
     output_dir: Optional[str] = None
     """where metrics.jsonl and the trained model go; None: output/{run_name}"""
     save_model: bool = True
-    """save the policy and tokenizer to output_dir at the end"""
+    """save the policy and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
+    push_to_hub: bool = False
+    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
+    hub_model_id: Optional[str] = None
+    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
+    hub_private: bool = False
+    """create the hub repo as a private one"""
     track: bool = False
     """log to Weights and Biases"""
     wandb_project_name: str = "rlhf-scripts"
@@ -277,6 +286,7 @@ if __name__ == "__main__":
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
     check_resume_args(args)
+    check_hub_args(args)
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
     if args.use_peft:
@@ -671,9 +681,14 @@ if __name__ == "__main__":
             )
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
+            write_model_card(
+                args, script=__file__, algorithm="RLOO", doc=__doc__, base_model=args.sft_model_path, sources=sources
+            )
     if accelerator.is_main_process:
         writer.close()
         print(
             f"judge the final summaries against the references: python benchmark/judge_tldr.py --samples {args.output_dir}"
             " --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini"
         )
+        if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
+            push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)

@@ -18,7 +18,9 @@ import os
 import random
 import re
 import secrets
+import shlex
 import shutil
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -379,9 +381,9 @@ def check_rewards(values, n, source):
 def load_reward_sources(args, tokenizer, columns, reward_model_paths):
     """The reward sources, in the order --reward_weights follows: reward models (reward_model_paths), then
     --reward_fn functions, then --reward_url servers, each in the order given; no source at all: `sentiment`.
-    Returns a list of dicts {"name", "weight", and "model" + "tokenizer" (None: the policy's vocabulary), or "fn", or
-    "url"}; names (for rewards/<name>/...) are the function's name, the model's or server's last path part. Every
-    flag is checked, and the functions loaded, before any reward model loads."""
+    Returns a list of dicts {"name", "weight", and "model" + "tokenizer" (None: the policy's vocabulary) + "path", or
+    "fn" + "spec" (as given to --reward_fn), or "url"}; names (for rewards/<name>/...) are the function's name, the
+    model's or server's last path part. Every flag is checked, and the functions loaded, before any reward model loads."""
     from transformers import AutoModelForSequenceClassification
 
     if args.reward_url_batch_size < 1 or args.reward_url_timeout <= 0 or args.reward_url_retries < 0:
@@ -392,7 +394,7 @@ def load_reward_sources(args, tokenizer, columns, reward_model_paths):
     fns = []
     for spec in list(args.reward_fn) or ([] if reward_model_paths or args.reward_url else ["sentiment"]):
         fn = load_reward_fn(spec, columns)
-        fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn})
+        fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
     servers = []
     for url in args.reward_url:
         if not url.startswith(("http://", "https://")):
@@ -417,7 +419,7 @@ def load_reward_sources(args, tokenizer, columns, reward_model_paths):
         if seen[source["name"]] > 1:  # two sources of one name: rewards/vowels, rewards/vowels_2
             source["name"] += f"_{seen[source['name']]}"
     for source in models:
-        path = source.pop("path")
+        path = source["path"]
         model = load_pretrained(AutoModelForSequenceClassification, path, args.trust_remote_code)
         if model.config.num_labels != 1:
             die(f"reward model {path!r} has num_labels={model.config.num_labels}; it must be 1")
@@ -856,7 +858,7 @@ def load_checkpoint(accelerator, path, model, optimizer):
 RESUMABLE = {
     "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
     "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size",
+    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private",
 }  # fmt: skip
 
 
@@ -1083,3 +1085,141 @@ def full_kl(logits, ref_logits, temperature=1.0, budget=None):
         terms = logp.sub_(logq).mul_(p).masked_fill_(p == 0, 0.0)
         kl[b, t] = terms.sum(-1)
     return kl.clamp_(min=0.0)  # never below 0, which rounding could reach where p and q (almost) agree
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# model card and the Hugging Face Hub
+
+# run state that --push_to_hub leaves out: checkpoints (and a cut-off one's .tmp folder), TensorBoard's logs, the wandb
+# run id, half-written files and the log of every completion (large, and it repeats the dataset's text)
+HUB_IGNORE = ["checkpoint-*", "runs/*", "wandb_id", "*.tmp", "completions.jsonl"]
+# the metrics a model card lists: a script's own diagnostics (clip fractions, ratios, losses) stay in metrics.jsonl
+CARD_METRICS = ("episode", "reward", "kl", "val/response_length", "completions/mean_length")
+CARD_PREFIXES = ("objective/", "rewards/", "eval/")
+
+
+def check_hub_args(args):
+    """--push_to_hub needs --hub_model_id (a valid repo id), a saved model and the huggingface_hub package: one line
+    otherwise, right after parsing."""
+    if not args.push_to_hub:
+        return
+    if not args.hub_model_id:
+        die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
+    if not args.save_model:
+        die("--push_to_hub uploads the saved model; drop --no_save_model")
+    try:
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:
+        die("--push_to_hub needs the huggingface_hub package: pip install huggingface_hub")
+    try:
+        validate_repo_id(args.hub_model_id)
+    except ValueError as e:
+        die(f"--hub_model_id {args.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
+
+
+def is_hub_id(name):
+    """True when a model or dataset argument names a hub repo: not a local file or folder, nor an installed package."""
+    if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return False
+    return resolve_pretrained(name) == (name, None)
+
+
+def write_model_card(args, script, algorithm, doc, base_model, sources):
+    """Write output_dir/README.md, the Hugging Face model card of the saved model: YAML metadata (base model and
+    dataset when they are hub ids), the algorithm and script, the base model, each reward source with its weight, the
+    latest value of each main metric in metrics.jsonl, every argument (as args.json has them) and the command line
+    that ran. doc is the script's docstring, whose first paragraph describes it. Main process only, after the save
+    (peft writes a card of its own with the adapters, which this one replaces)."""
+    adapters = args.use_peft and not args.merge_lora
+    meta = ["library_name: peft" if adapters else "library_name: transformers"]
+    if is_hub_id(base_model):
+        meta.append(f"base_model: {json.dumps(base_model)}")
+    tags = dict.fromkeys(["rlhf", algorithm.lower(), os.path.splitext(os.path.basename(script))[0]])  # rloo.py: rloo once
+    meta += ["tags:", *[f"- {tag}" for tag in tags]]
+    if is_hub_id(args.dataset_name):
+        meta += ["datasets:", f"- {json.dumps(args.dataset_name)}"]
+
+    name = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
+    gguf_file = resolve_pretrained(base_model)[1]  # the default: a package shipping SmolLM2's GGUF file
+    summary = " ".join((doc or "").split("\n\n")[0].split())
+    saved = "LoRA adapters of the base model" if adapters else "the whole policy"
+    if args.use_peft and args.merge_lora:
+        saved += " (LoRA adapters merged into its weights)"
+    lines = ["---", *meta, "---", "", f"# {name}", "", summary, ""]
+    lines += [
+        f"- **Algorithm:** {algorithm} (`{os.path.basename(script)}`)",
+        f"- **Base model:** `{base_model}`" + (f" (`{gguf_file}`)" if gguf_file else ""),
+        f"- **Prompts:** `{args.dataset_name}` (split `{args.dataset_split}`)",
+        f"- **Saved:** {saved}",
+        "",
+        "## Reward sources",
+        "",
+        "A completion's score is the weighted sum of the sources that scored it.",
+        "",
+        "| source | kind | weight |",
+        "|-|-|-|",
+    ]
+    for source in sources:
+        if "model" in source:
+            kind = f"reward model `{source['path']}`"
+        elif "fn" in source:
+            kind = f"function `{source['spec']}`"
+        else:
+            kind = f"server `{source['url']}`"
+        lines.append(f"| {source['name']} | {kind} | {source['weight']:g} |")
+
+    # the latest value of each metric: the last row, and in the TL;DR scripts the last evaluation's too
+    latest = {}
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                latest.update(json.loads(line))
+    lines += ["", "## Final metrics", "", "| metric | value |", "|-|-|"]
+    for key, value in latest.items():
+        if key in CARD_METRICS or key.startswith(CARD_PREFIXES):
+            lines.append(f"| {key} | {value:.6g} |")
+
+    lines += ["", "## Hyperparameters", "", "Every argument of the run, as in `args.json`:", "", "```json"]
+    lines += [json.dumps(vars(args), indent=1), "```", "", "## Command", ""]
+    if "LOCAL_RANK" in os.environ:  # set by accelerate launch and torchrun, which ran this command on each process
+        lines += [f"Launched by `accelerate launch` (or torchrun) on {args.world_size} process(es), each running:", ""]
+    lines += ["```bash", shlex.join(["python", *sys.argv]), "```", "", "## Usage", "", "```python"]
+    if adapters:
+        lines += [
+            "from peft import AutoPeftModelForCausalLM",
+            "",
+            f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(name)})",
+        ]
+    else:
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f"model = AutoModelForCausalLM.from_pretrained({json.dumps(name)})",
+            f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(name)})",
+        ]
+    lines += ["```", ""]
+    with open(os.path.join(args.output_dir, "README.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+def push_to_hub(output_dir, repo_id, private):
+    """Upload output_dir (the model, tokenizer, card, args.json, metrics.jsonl, ...; not HUB_IGNORE's run state) to the
+    hub model repo repo_id, creating it if needed. Main process only, at the very end; a failure is one line, the model
+    staying saved in output_dir."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(
+            repo_id=repo_id,
+            folder_path=output_dir,
+            repo_type="model",
+            ignore_patterns=HUB_IGNORE,
+            commit_message=f"upload {os.path.basename(os.path.normpath(output_dir))}",
+        )
+    except Exception as e:  # no network, no token, no write access, ...
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        die(f"--push_to_hub to {repo_id!r} failed ({reason}); the model is saved in {output_dir}")
+    print(f"uploaded {output_dir} to https://huggingface.co/{repo_id}")

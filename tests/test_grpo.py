@@ -143,6 +143,7 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, eos_model
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size > 0
+    assert "- **Algorithm:** GRPO (`grpo.py`)" in (out / "README.md").read_text()  # the model card
 
 
 CONSTANT = "def vowels(prompts, completions):\n    return [0.5] * len(completions)\n"

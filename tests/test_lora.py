@@ -29,6 +29,10 @@ def test_rloo_lora_trains_adapters_and_saves_them_or_merges_them(run, tmp_path, 
 
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
     assert not os.path.exists(tmp_path / "adapter" / "model.safetensors")  # no full copy of the weights
+    # the model card replaces the one peft writes with the adapters
+    card, merged_card = (tmp_path / "adapter" / "README.md").read_text(), (tmp_path / "merged" / "README.md").read_text()
+    assert "library_name: peft" in card and "- **Algorithm:** RLOO (`rloo.py`)" in card and "AutoPeftModel" in card
+    assert "library_name: transformers" in merged_card and "(LoRA adapters merged into its weights)" in merged_card
     ids = torch.tensor([[5, 17, 42, 99, 3]])
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():

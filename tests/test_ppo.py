@@ -180,6 +180,8 @@ def test_variants_run_shared_head_kl_loss_adaptive(run, tmp_path, tiny_model_dir
         expected = adaptive_kl_coef(prev["objective/kl_coef"], prev["objective/kl"], 0.001, 100, 16)
         assert nxt["objective/kl_coef"] == pytest.approx(expected)
     assert rows[0]["objective/kl_coef"] == 0.05
+    card = (out / "README.md").read_text()  # the model card
+    assert "- **Algorithm:** PPO (`ppo.py`)" in card and f"| reward model `{tiny_reward_model_dir}` | 1 |" in card
 
 
 def test_target_kl_stops_the_remaining_epochs(run, tmp_path, tiny_model_dir, tiny_prompts_file):

@@ -91,6 +91,8 @@ def test_rloo_tldr_trains_and_evaluates(run, tmp_path, tldr_dir, tiny_model_dir,
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size > 0
+    card = (out / "README.md").read_text()  # the model card, whose final metrics include the last evaluation's
+    assert "- **Algorithm:** RLOO (`rloo_tldr.py`)" in card and f"| eval/scores | {evals[-1]['eval/scores']:.6g} |" in card
 
 
 def test_eval_matches_transformers_greedy_and_reward_model(run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
@@ -123,6 +125,7 @@ def test_ppo_tldr_trains_evaluates_and_saves_the_critic(run, tmp_path, tldr_dir,
     assert [r["episode"] for r in evals] == [0, 32] and all(sorted(r) == sorted(EVAL_KEYS) for r in evals)
     assert [s["index"] for s in read_samples(out, 32)] == list(range(10))
     assert os.path.exists(out / "critic" / "model.safetensors")
+    assert "- **Algorithm:** PPO (`ppo_tldr.py`)" in (out / "README.md").read_text()  # the model card
 
 
 def test_tldr_adds_weighted_sources_to_its_reward_model(run, tmp_path, tldr_dir, tiny_model_dir, tiny_reward_model_dir):
