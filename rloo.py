@@ -662,6 +662,12 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
         if ema is not None:  # after the policy's own save: save_ema writes the EMA weights into the policy
-            save_ema(accelerator, accelerator.unwrap_model(policy), ema, os.path.join(args.output_dir, "ema"), tokenizer)
+            save_ema(
+                accelerator,
+                model=accelerator.unwrap_model(policy),
+                ema=ema,
+                path=os.path.join(args.output_dir, "ema"),
+                tokenizer=tokenizer,
+            )
     if accelerator.is_main_process:
         writer.close()
