@@ -123,6 +123,21 @@ def test_ptx_stream_processes_take_disjoint_slices_and_resume(tmp_path, tiny_tok
     assert all(torch.equal(a, b) for a, b in zip(expected, again))
 
 
+def test_bad_ptx_data_gets_one_line(tmp_path, tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    path = tmp_path / "texts.jsonl"
+    path.write_text(json.dumps({"body": TEXTS[0]}) + "\n")
+    for args, message in [
+        (ptx_args(tmp_path / "none.jsonl"), "dataset path"),
+        (ptx_args(path), "dataset {!r} (split 'train') has no column 'text'".format(str(path))),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            load_ptx(args, tokenizer)
+        assert str(e.value).startswith("error: " + message) and "\n" not in str(e.value), e.value
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
