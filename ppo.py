@@ -223,14 +223,13 @@ class Args:
     merge_lora: bool = False
     """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
     ema_beta: Optional[float] = None
-    """keep an exponential moving average of the policy's weights, ema = ema_beta * ema + (1 - ema_beta) * weights after
-    each optimiser step (float32, from the initial policy), saved to output_dir/ema and checkpointed (LightRFT's EMA
-    model); in [0, 1), None: off"""
+    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
+    (LightRFT's EMA model); in [0, 1), None: off"""
     ema_cpu: bool = False
     """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
     ptx_coef: float = 0.0
-    """add ptx_coef times the next-token loss of the policy on texts of --ptx_dataset to each micro-batch's loss, so that
-    it keeps its language modelling (LightRFT's PTX loss); 0: off"""
+    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
+    loss); 0: off"""
     ptx_dataset: Optional[str] = None
     """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
     ptx_split: str = "train"
