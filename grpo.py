@@ -52,19 +52,25 @@ from transformers import AutoModelForCausalLM
 from utils import (
     INVALID_LOGPROB,
     check_accelerate_config,
+    check_ema_ptx_args,
     check_hub_args,
     check_resume_args,
     die,
     disable_dropout,
+    ema_init,
+    ema_update,
+    forward,
     forward_grouped,
     generate,
     get_scores,
     kl_estimate,
     left_pad,
     list_checkpoints,
+    lm_loss,
     load_checkpoint,
     load_pretrained,
     load_prompts,
+    load_ptx,
     load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
@@ -72,10 +78,14 @@ from utils import (
     prepare_frozen,
     print_samples,
     process_group_kwargs,
+    ptx_batch,
+    ptx_state,
     push_to_hub,
     reference_model,
     reward_stats,
     save_checkpoint,
+    save_ema,
+    set_ptx_state,
     set_rng_state,
     truncate_metrics,
     truncate_response,
@@ -213,6 +223,22 @@ class Args:
     """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
     merge_lora: bool = False
     """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
+    ema_beta: Optional[float] = None
+    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
+    (LightRFT's EMA model); in [0, 1), None: off"""
+    ema_cpu: bool = False
+    """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
+    ptx_coef: float = 0.0
+    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
+    loss); 0: off"""
+    ptx_dataset: Optional[str] = None
+    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
+    ptx_split: str = "train"
+    """the split of --ptx_dataset"""
+    ptx_text_field: str = "text"
+    """the column of --ptx_dataset holding the texts"""
+    ptx_max_length: Optional[int] = None
+    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
 
     # to be filled in at runtime
     distributed_type: str = ""
@@ -338,6 +364,7 @@ if __name__ == "__main__":
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
     check_resume_args(args)
     check_hub_args(args)
+    check_ema_ptx_args(args, accelerator)
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
     if args.use_peft:
@@ -372,6 +399,7 @@ if __name__ == "__main__":
     )
     # the reward sources, in --reward_weights' order: reward models, functions, servers
     sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None  # the PTX texts (LightRFT), a stream of their own
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     # the frozen initial policy; none with --beta 0 (never run), or with LoRA (the policy with its adapters switched
     # off). Under ZeRO-3 the weights are sharded as they load, so the reference is loaded anew rather than copied
@@ -397,6 +425,8 @@ if __name__ == "__main__":
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    # LightRFT: an exponential moving average of the policy's weights
+    ema = ema_init(accelerator.unwrap_model(policy), args.ema_cpu) if args.ema_beta is not None else None
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
     ref_policy = prepare_frozen(accelerator, ref_policy)
     for source in sources:
@@ -424,10 +454,12 @@ if __name__ == "__main__":
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
-        state = load_checkpoint(accelerator, last_checkpoint, policy, optimizer)
+        state = load_checkpoint(accelerator, last_checkpoint, policy, optimizer, ema=ema)
         set_rng_state(state["rng"][accelerator.process_index])
         data_rng.set_state(state["data_rng"])
         order, cursor = state["order"], state["cursor"]
+        if ptx is not None:
+            set_ptx_state(ptx, state["ptx"])
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
@@ -576,6 +608,7 @@ if __name__ == "__main__":
         policy.train(args.gradient_checkpointing)
         pg_loss_stats = torch.zeros(stats_shape, device=device)
         ratio_stats = torch.zeros(stats_shape, device=device)
+        ptx_stats = torch.zeros(stats_shape, device=device)
         # token sums, divided by the token count once reduced over processes: token means over the whole update
         token_stats = torch.zeros((7, *stats_shape), device=device)  # count, entropy, kl, approxkl, low, high, region
         for epoch in range(args.num_iterations):
@@ -623,9 +656,17 @@ if __name__ == "__main__":
                             response_length=args.response_length,
                             dapo_tokens=dapo_tokens[mb],
                         )
-                        if not torch.isfinite(pg_loss):
+                        loss = pg_loss
+                        if ptx is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
+                            ptx_ids, ptx_mask = ptx_batch(
+                                ptx, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
+                            )
+                            ptx_loss = lm_loss(forward(policy, ptx_ids, ptx_mask).logits, ptx_ids, ptx_mask)
+                            loss = loss + args.ptx_coef * ptx_loss
+                            ptx_stats[epoch, mb, ga] = ptx_loss.detach()
+                        if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
-                        accelerator.backward(pg_loss)
+                        accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                             # (None under DeepSpeed versions that clip inside their own step)
@@ -633,6 +674,8 @@ if __name__ == "__main__":
                                 die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
                         optimizer.step()
                         optimizer.zero_grad()
+                        if ema is not None and accelerator.sync_gradients:  # after each optimiser step
+                            ema_update(ema, accelerator.unwrap_model(policy), args.ema_beta)
                         with torch.no_grad():
                             # TRL's clip ratios: tokens whose gradient the clip removed, below (ratio < 1 - epsilon with
                             # a negative advantage) or above (ratio > 1 + epsilon_high with a positive one)
@@ -669,6 +712,8 @@ if __name__ == "__main__":
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
                 stats["objective/kl"] = rollout_kl.sum(1).mean()
+            if ptx is not None:
+                stats["loss/ptx"] = ptx_stats.mean()
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             all_lengths = accelerator.gather(lengths)
@@ -727,8 +772,16 @@ if __name__ == "__main__":
                 "order": order,
                 "cursor": cursor,
             }
+            if ptx is not None:
+                state["ptx"] = ptx_state(ptx)
             save_checkpoint(
-                accelerator, final=last_checkpoint, model=policy, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+                accelerator,
+                final=last_checkpoint,
+                model=policy,
+                optimizer=optimizer,
+                state=state,
+                keep=args.keep_checkpoints,
+                ema=ema,
             )
 
     if args.save_model:
@@ -749,6 +802,14 @@ if __name__ == "__main__":
             tokenizer.save_pretrained(args.output_dir)
             write_model_card(
                 args, script=__file__, algorithm="GRPO", doc=__doc__, base_model=args.model_name_or_path, sources=sources
+            )
+        if ema is not None:  # after the policy's own save: save_ema writes the EMA weights into the policy
+            save_ema(
+                accelerator,
+                model=accelerator.unwrap_model(policy),
+                ema=ema,
+                path=os.path.join(args.output_dir, "ema"),
+                tokenizer=tokenizer,
             )
     if accelerator.is_main_process:
         writer.close()

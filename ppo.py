@@ -42,10 +42,13 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from utils import (
     INVALID_LOGPROB,
     check_accelerate_config,
+    check_ema_ptx_args,
     check_hub_args,
     check_resume_args,
     die,
     disable_dropout,
+    ema_init,
+    ema_update,
     forward,
     full_kl,
     generate,
@@ -53,9 +56,11 @@ from utils import (
     kl_estimate,
     left_pad,
     list_checkpoints,
+    lm_loss,
     load_checkpoint,
     load_pretrained,
     load_prompts,
+    load_ptx,
     load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
@@ -65,11 +70,15 @@ from utils import (
     prepare_frozen,
     print_samples,
     process_group_kwargs,
+    ptx_batch,
+    ptx_state,
     push_to_hub,
     reference_model,
     reward_stats,
     save_checkpoint,
+    save_ema,
     scalar_forward,
+    set_ptx_state,
     set_rng_state,
     truncate_metrics,
     truncate_response,
@@ -228,6 +237,22 @@ class Args:
     """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
     merge_lora: bool = False
     """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
+    ema_beta: Optional[float] = None
+    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
+    (LightRFT's EMA model); in [0, 1), None: off"""
+    ema_cpu: bool = False
+    """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
+    ptx_coef: float = 0.0
+    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
+    loss); 0: off"""
+    ptx_dataset: Optional[str] = None
+    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
+    ptx_split: str = "train"
+    """the split of --ptx_dataset"""
+    ptx_text_field: str = "text"
+    """the column of --ptx_dataset holding the texts"""
+    ptx_max_length: Optional[int] = None
+    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
 
     # to be filled in at runtime
     distributed_type: str = ""
@@ -316,9 +341,11 @@ class PolicyAndValue(nn.Module):
             hidden = policy.config.hidden_size
             self.value_head = init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed)
 
-    def forward(self, input_ids, attention_mask, logits_to_keep):
-        shared = self.critic is None
+    def forward(self, input_ids, attention_mask, logits_to_keep, policy_only=False):
+        shared = self.critic is None and not policy_only
         out = forward(self.policy, input_ids, attention_mask, logits_to_keep=logits_to_keep, output_hidden_states=shared)
+        if policy_only:  # the PTX loss: the policy's logits alone, through the wrapper that DDP or DeepSpeed runs
+            return out.logits
         if shared:
             values = self.value_head(out.hidden_states[-1]).squeeze(-1)
         else:
@@ -377,6 +404,7 @@ if __name__ == "__main__":
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
     check_resume_args(args)
     check_hub_args(args)
+    check_ema_ptx_args(args, accelerator)
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
     if args.use_peft:
@@ -411,6 +439,7 @@ if __name__ == "__main__":
     )
     # the reward sources, in --reward_weights' order: reward models, functions, servers
     sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
+    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None  # the PTX texts (LightRFT), a stream of their own
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
     # weights are sharded as they load, so the reference is loaded anew rather than copied
@@ -462,6 +491,8 @@ if __name__ == "__main__":
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the critic
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
+    # LightRFT: an exponential moving average of the policy's weights
+    ema = ema_init(accelerator.unwrap_model(model).policy, args.ema_cpu) if args.ema_beta is not None else None
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
     ref_policy = prepare_frozen(accelerator, ref_policy)
     for source in sources:
@@ -479,10 +510,12 @@ if __name__ == "__main__":
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
-        state = load_checkpoint(accelerator, last_checkpoint, model, optimizer)
+        state = load_checkpoint(accelerator, last_checkpoint, model, optimizer, ema=ema)
         set_rng_state(state["rng"][accelerator.process_index])
         data_rng.set_state(state["data_rng"])
         order, cursor = state["order"], state["cursor"]
+        if ptx is not None:
+            set_ptx_state(ptx, state["ptx"])
         kl_coef = state["kl_coef"]
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
@@ -633,6 +666,7 @@ if __name__ == "__main__":
         vf_clipfrac_stats = torch.zeros(stats_shape, device=device)
         entropy_stats = torch.zeros(stats_shape, device=device)
         ratio_stats = torch.zeros(stats_shape, device=device)
+        ptx_stats = torch.zeros(stats_shape, device=device)
         for epoch in range(args.num_ppo_epochs):
             b_inds = torch.randperm(args.local_batch_size, device=device)
             for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
@@ -670,6 +704,13 @@ if __name__ == "__main__":
                         if args.kl_penalty == "loss":
                             kl_loss = kl_estimate(new_logprobs, ref_logprobs[micro_inds], args.kl_estimator)
                             loss = loss + policy_weight * kl_coef * masked_mean(kl_loss, mb_mask)
+                        if ptx is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
+                            ptx_ids, ptx_mask = ptx_batch(
+                                ptx, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
+                            )
+                            ptx_loss = lm_loss(model(ptx_ids, ptx_mask, 0, policy_only=True), ptx_ids, ptx_mask)
+                            loss = loss + policy_weight * args.ptx_coef * ptx_loss
+                            ptx_stats[epoch, mb, ga] = ptx_loss.detach()
                         if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         accelerator.backward(loss)
@@ -685,6 +726,8 @@ if __name__ == "__main__":
                                 die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
                         optimizer.step()
                         optimizer.zero_grad()
+                        if ema is not None and accelerator.sync_gradients:  # after each optimiser step
+                            ema_update(ema, accelerator.unwrap_model(model).policy, args.ema_beta)
                         with torch.no_grad():
                             approxkl_stats[epoch, mb, ga] = 0.5 * masked_mean(logprobs_diff**2, mb_mask)
                             pg_clipfrac_stats[epoch, mb, ga] = masked_mean((pg_losses2 > pg_losses).float(), mb_mask)
@@ -719,6 +762,8 @@ if __name__ == "__main__":
                 "val/ratio_var": ratio_stats[done].var(unbiased=False),
                 "val/vpred": masked_mean(values, value_mask),
             }
+            if ptx is not None:
+                stats["loss/ptx"] = ptx_stats[done].mean()
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             # the weighted score over the completions some source scored; each source's own statistics
@@ -779,8 +824,16 @@ if __name__ == "__main__":
                 "order": order,
                 "cursor": cursor,
             }
+            if ptx is not None:
+                state["ptx"] = ptx_state(ptx)
             save_checkpoint(
-                accelerator, final=last_checkpoint, model=model, optimizer=optimizer, state=state, keep=args.keep_checkpoints
+                accelerator,
+                final=last_checkpoint,
+                model=model,
+                optimizer=optimizer,
+                state=state,
+                keep=args.keep_checkpoints,
+                ema=ema,
             )
 
     if args.save_model:
@@ -811,6 +864,14 @@ if __name__ == "__main__":
             tokenizer.save_pretrained(args.output_dir)
             write_model_card(
                 args, script=__file__, algorithm="PPO", doc=__doc__, base_model=args.model_name_or_path, sources=sources
+            )
+        if ema is not None:  # after the policy's own save: save_ema writes the EMA weights into the policy
+            save_ema(
+                accelerator,
+                model=accelerator.unwrap_model(model).policy,
+                ema=ema,
+                path=os.path.join(args.output_dir, "ema"),
+                tokenizer=tokenizer,
             )
     if accelerator.is_main_process:
         writer.close()

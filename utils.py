@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 from accelerate.utils import gather_object
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 # written into the logprobs of padding positions, so that a padding token that leaks into a sum is easy to spot
 INVALID_LOGPROB = 1.0
@@ -197,27 +197,7 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
     generation prompt added; a column of strings is tokenized as it is. Prompts longer than max_prompt_length tokens
     are dropped, or with long_prompts="truncate" keep their last max_prompt_length tokens (so a prompt still ends with
     its cue, "TL;DR:" or the chat template's generation prompt) and their whole text."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    local = os.path.exists(dataset_name)
-    if not local and (dataset_name.startswith((".", "/", "~")) or os.path.splitext(dataset_name)[1]):
-        die(f"dataset path {dataset_name!r} does not exist")
-    try:
-        if os.path.isfile(dataset_name):
-            ext = os.path.splitext(dataset_name)[1].lstrip(".")
-            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
-            if builder is None:
-                die(f"dataset file {dataset_name!r} is not .jsonl, .json, .parquet or .csv")
-            if os.path.getsize(dataset_name) == 0:
-                die(f"dataset {dataset_name!r} is empty")
-            ds = datasets.load_dataset(builder, data_files={split: dataset_name}, split=split)
-        else:
-            ds = datasets.load_dataset(dataset_name, split=split)
-    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        die(f"cannot load dataset {dataset_name!r} (split {split!r}): {str(e).strip().splitlines()[0]}")
-    if len(ds) == 0:
-        die(f"dataset {dataset_name!r} (split {split!r}) is empty")
+    ds = read_dataset(dataset_name, split)
     for field, flag in [(prompt_field, "--prompt_field"), (reference_field, "--reference_field")]:
         if field is not None and field not in ds.column_names:
             die(f"dataset {dataset_name!r} (split {split!r}) has no column {field!r} (columns: {ds.column_names}); set {flag}")
@@ -803,12 +783,13 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(accelerator, final, model, optimizer, state, keep):
+def save_checkpoint(accelerator, final, model, optimizer, state, keep, ema=None):
     """Write the checkpoint folder `final` (output_dir/checkpoint-NNNNNNN); every process calls it. The model (as
     prepared) and the optimiser: model.safetensors and the optimiser in state.pt, or under DeepSpeed the engine's own
     checkpoint in final/deepspeed, each process writing its shard of the ZeRO state. state.pt also holds `state`
-    (data position, counters) and every process's random state. Written to a temporary folder and renamed, so a
-    checkpoint is complete or absent; only the newest `keep` in its folder are kept. Refuses non-finite weights."""
+    (data position, counters) and every process's random state; `ema` (the EMA weights, the same on every process) goes
+    to ema.safetensors. Written to a temporary folder and renamed, so a checkpoint is complete or absent; only the
+    newest `keep` in its folder are kept. Refuses non-finite weights."""
     # each process checks the weights it holds (under ZeRO-3 its shard)
     finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters())
     if accelerator.reduce(torch.tensor(float(finite), device=accelerator.device), reduction="sum") < accelerator.num_processes:
@@ -827,6 +808,8 @@ def save_checkpoint(accelerator, final, model, optimizer, state, keep):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         torch.save(state, os.path.join(tmp, "state.pt"))
+        if ema is not None:
+            save_file(ema, os.path.join(tmp, "ema.safetensors"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in list_checkpoints(os.path.dirname(final))[:-keep]:
@@ -842,15 +825,20 @@ def list_checkpoints(output_dir):
     return [os.path.join(output_dir, n) for n in names]
 
 
-def load_checkpoint(accelerator, path, model, optimizer):
-    """Load the model and optimiser of a checkpoint written by save_checkpoint; returns its state (state.pt, read
-    without unpickling code; DeepSpeed's engine reads its own shards)."""
+def load_checkpoint(accelerator, path, model, optimizer, ema=None):
+    """Load the model and optimiser of a checkpoint written by save_checkpoint, and its EMA weights into `ema`; returns
+    its state (state.pt, read without unpickling code; DeepSpeed's engine reads its own shards)."""
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
     if accelerator.state.deepspeed_plugin is not None:
         model.load_checkpoint(path, tag="deepspeed", load_module_strict=True, load_lr_scheduler_states=False)
     else:
         load_model(accelerator.unwrap_model(model), os.path.join(path, "model.safetensors"))
         optimizer.load_state_dict(state["optimizer"])
+    if ema is not None:
+        if not os.path.exists(os.path.join(path, "ema.safetensors")):
+            die(f"--resume with --ema_beta: {path} holds no EMA weights (the run started without --ema_beta)")
+        for name, value in load_file(os.path.join(path, "ema.safetensors")).items():
+            ema[name].copy_(value)
     return state
 
 
@@ -1223,3 +1211,146 @@ def push_to_hub(output_dir, repo_id, private):
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         die(f"--push_to_hub to {repo_id!r} failed ({reason}); the model is saved in {output_dir}")
     print(f"uploaded {output_dir} to https://huggingface.co/{repo_id}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the EMA policy and the PTX loss (LightRFT's PPOTrainer options)
+
+
+def read_dataset(dataset_name, split):
+    """A datasets.Dataset from a hub id or a local .jsonl/.json/.parquet/.csv file or folder; one line for any input
+    that cannot give a non-empty one."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    local = os.path.exists(dataset_name)
+    if not local and (dataset_name.startswith((".", "/", "~")) or os.path.splitext(dataset_name)[1]):
+        die(f"dataset path {dataset_name!r} does not exist")
+    try:
+        if os.path.isfile(dataset_name):
+            ext = os.path.splitext(dataset_name)[1].lstrip(".")
+            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
+            if builder is None:
+                die(f"dataset file {dataset_name!r} is not .jsonl, .json, .parquet or .csv")
+            if os.path.getsize(dataset_name) == 0:
+                die(f"dataset {dataset_name!r} is empty")
+            ds = datasets.load_dataset(builder, data_files={split: dataset_name}, split=split)
+        else:
+            ds = datasets.load_dataset(dataset_name, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        die(f"cannot load dataset {dataset_name!r} (split {split!r}): {str(e).strip().splitlines()[0]}")
+    if len(ds) == 0:
+        die(f"dataset {dataset_name!r} (split {split!r}) is empty")
+    return ds
+
+
+def check_ema_ptx_args(args, accelerator):
+    """One line for a bad --ema_beta/--ptx_* flag, right after parsing."""
+    if args.ema_beta is not None:
+        if not 0 <= args.ema_beta < 1:
+            die(f"--ema_beta must be in [0, 1), got {args.ema_beta}")
+        # every process would need the whole policy to average it, and LoRA's merged and adapter-only saves would
+        # each need an EMA twin: both left out for now
+        if zero3(accelerator):
+            die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+        if args.use_peft:
+            die("--ema_beta does not work with --use_peft yet")
+    if args.ptx_coef < 0:
+        die(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
+    if args.ptx_coef > 0 and not args.ptx_dataset:
+        die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
+    if args.ptx_max_length is not None and args.ptx_max_length < 2:
+        die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {args.ptx_max_length}")
+
+
+def ema_init(model, cpu=False):
+    """float32 copies of the model's trainable parameters, by name: the start of their exponential moving average
+    (on the CPU with cpu=True)."""
+    return {
+        name: p.detach().to("cpu" if cpu else p.device, torch.float32, copy=True)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+@torch.no_grad()
+def ema_update(ema, model, beta):
+    """ema = beta * ema + (1 - beta) * param, in float32, for every parameter of `model` named in ema; called after
+    each optimiser step."""
+    for name, p in model.named_parameters():
+        if name in ema:
+            ema[name].mul_(beta).add_(p.detach().to(ema[name].device, torch.float32), alpha=1.0 - beta)
+
+
+@torch.no_grad()
+def save_ema(accelerator, model, ema, path, tokenizer):
+    """Save the EMA weights as a transformers model in `path`, with the tokenizer; every process calls it. They are
+    copied into `model` (the unwrapped policy, whose training is over): its config, tied weights and saving code then
+    serve as they are."""
+    for name, p in model.named_parameters():
+        if name in ema:
+            p.copy_(ema[name])
+    model.save_pretrained(path, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(path)
+
+
+def load_ptx(args, tokenizer):
+    """The PTX texts as a stream: {"texts": token-id lists, "rng", "order", "cursor"}, drawn by ptx_batch. Texts
+    (--ptx_text_field of --ptx_dataset) are tokenized as the tokenizer does by default and cut to --ptx_max_length
+    tokens (default max_prompt_length + response_length); those under two tokens are dropped. The generator is the
+    stream's own, seeded with --seed, so the RL data stream is the same with or without PTX."""
+    ds = read_dataset(args.ptx_dataset, args.ptx_split)
+    if args.ptx_text_field not in ds.column_names:
+        die(
+            f"dataset {args.ptx_dataset!r} (split {args.ptx_split!r}) has no column {args.ptx_text_field!r} "
+            f"(columns: {ds.column_names}); set --ptx_text_field"
+        )
+    max_length = args.ptx_max_length or args.max_prompt_length + args.response_length
+    texts = []
+    for value in ds[args.ptx_text_field]:
+        if not isinstance(value, str):
+            die(f"column {args.ptx_text_field!r} of --ptx_dataset must hold strings, got {type(value).__name__}")
+        ids = tokenizer(value)["input_ids"][:max_length]
+        if len(ids) >= 2:
+            texts.append(ids)
+    if not texts:
+        die(f"--ptx_dataset {args.ptx_dataset!r} has no text of at least two tokens")
+    rng = torch.Generator().manual_seed(args.seed)
+    return {"texts": texts, "rng": rng, "order": torch.randperm(len(texts), generator=rng), "cursor": 0}
+
+
+def ptx_batch(ptx, n, accelerator, pad_token_id):
+    """This process's next n PTX texts, right-padded: input ids and attention mask (n, longest). Every process draws
+    the same n * processes texts, without replacement from a reshuffle per pass, and takes its own slice."""
+    total, idx = n * accelerator.num_processes, []
+    while len(idx) < total:
+        if ptx["cursor"] == len(ptx["order"]):
+            ptx["order"], ptx["cursor"] = torch.randperm(len(ptx["texts"]), generator=ptx["rng"]), 0
+        take = min(total - len(idx), len(ptx["order"]) - ptx["cursor"])
+        idx += ptx["order"][ptx["cursor"] : ptx["cursor"] + take].tolist()
+        ptx["cursor"] += take
+    rows = [ptx["texts"][i] for i in idx[accelerator.process_index * n : (accelerator.process_index + 1) * n]]
+    width = max(len(r) for r in rows)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    return ids.to(accelerator.device), mask.to(accelerator.device)
+
+
+def ptx_state(ptx):
+    """The PTX stream's position, for a checkpoint's state (set_ptx_state restores it)."""
+    return {"rng": ptx["rng"].get_state(), "order": ptx["order"], "cursor": ptx["cursor"]}
+
+
+def set_ptx_state(ptx, state):
+    ptx["rng"].set_state(state["rng"])
+    ptx["order"], ptx["cursor"] = state["order"], state["cursor"]
+
+
+def lm_loss(logits, input_ids, attention_mask):
+    """The mean next-token cross-entropy over the real tokens of right-padded rows; logits (rows, len, vocab)."""
+    logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # chunked, as the policy's logprobs
+    mask = attention_mask[:, 1:].bool()
+    return -logprobs.masked_fill(~mask, 0.0).sum() / mask.sum()
