@@ -161,6 +161,14 @@ def test_ratio_threshold_below_one_and_drawn_lengths(script, run, tmp_path, tiny
 
     drawn = [r["completions/max_length_allowed"] for r in rows]
     assert all(2 <= n <= 6 for n in drawn) and len(set(drawn)) > 2, drawn
+    # drawn from the generator the processes share, after each update's prompts and sampling noise
+    g = torch.Generator().manual_seed(1)
+    torch.randperm(64, generator=g)  # the prompt order (16 of the 64 prompts are used: no reshuffle)
+    expected = []
+    for _ in rows:
+        torch.rand(4 * 6, generator=g)  # the sampling noise: 4 completions x 6 positions
+        expected.append(torch.randint(2, 7, (), generator=g).item())
+    assert drawn == expected
     length = "completions/mean_length" if script == "grpo.py" else "val/response_length"
     assert [r[length] for r in rows] == drawn
     assert not any(k.startswith("objective/score_") for k in rows[0])  # off by default
