@@ -146,24 +146,23 @@ def test_ratio_threshold_below_one_and_drawn_lengths(script, run, tmp_path, tiny
     gradients from a zero state move nothing). --response_length_min 2: each update's drawn length lies in [2, 6], and
     without a stop token every completion is as long as allowed, so the mean length is the drawn one, exactly."""
     out = tmp_path / "out"
-    epochs = "--num_iterations" if script == "grpo.py" else "--num_ppo_epochs"
     flags = (
-        f"--total_episodes 32 --per_device_train_batch_size 2 --gradient_accumulation_steps 2 {epochs} 2"
-        " --learning_rate 1e-2 --ratio_threshold 0.5 --response_length_min 2 --stop_token None"
+        "--total_episodes 16 --per_device_train_batch_size 2 --gradient_accumulation_steps 2 --learning_rate 1e-2"
+        " --ratio_threshold 0.5 --response_length_min 2 --stop_token None"
     )
     check_ok(run(base(script, tiny_model_dir, tiny_prompts_file, out, tmp_path, flags), cwd=tmp_path))
     rows = read_metrics(out)
-    assert len(rows) == 8 and all(r["policy/skipped_ratio_threshold"] == 1.0 for r in rows)
+    assert len(rows) == 4 and all(r["policy/skipped_ratio_threshold"] == 1.0 for r in rows)
     from safetensors.torch import load_file
 
     before, after = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
     drawn = [r["completions/max_length_allowed"] for r in rows]
-    assert all(2 <= n <= 6 for n in drawn) and len(set(drawn)) > 2, drawn
+    assert all(2 <= n <= 6 for n in drawn) and len(set(drawn)) > 1, drawn
     # drawn from the generator the processes share, after each update's prompts and sampling noise
     g = torch.Generator().manual_seed(1)
-    torch.randperm(64, generator=g)  # the prompt order (16 of the 64 prompts are used: no reshuffle)
+    torch.randperm(64, generator=g)  # the prompt order (8 of the 64 prompts are used: no reshuffle)
     expected = []
     for _ in rows:
         torch.rand(4 * 6, generator=g)  # the sampling noise: 4 completions x 6 positions
@@ -175,16 +174,16 @@ def test_ratio_threshold_below_one_and_drawn_lengths(script, run, tmp_path, tiny
 
 
 def test_ratio_threshold_skips_only_runaway_micro_batches(run, tmp_path, tiny_model_dir, tiny_prompts_file):
-    """A big learning rate over 4 epochs drives the ratio past 1.02 after the first steps, which ran: some micro-batches
-    are skipped, not all, and the policy moved."""
+    """A big learning rate over 4 epochs of 2 mini-batches drives the ratio past 1.02 after the first steps, which ran:
+    some micro-batches are skipped, not all."""
     out = tmp_path / "out"
     flags = (
-        "--total_episodes 16 --per_device_train_batch_size 4 --gradient_accumulation_steps 1 --num_mini_batches 2"
+        "--total_episodes 8 --per_device_train_batch_size 4 --gradient_accumulation_steps 1 --num_mini_batches 2"
         " --num_ppo_epochs 4 --learning_rate 3e-2 --ratio_threshold 1.02"
     )
     check_ok(run(base("rloo.py", tiny_model_dir, tiny_prompts_file, out, tmp_path, flags), cwd=tmp_path))
-    skipped = [r["policy/skipped_ratio_threshold"] for r in read_metrics(out)]
-    assert all(0 < s < 1 for s in skipped), skipped
+    (row,) = read_metrics(out)
+    assert 0 < row["policy/skipped_ratio_threshold"] < 1, row
 
 
 @pytest.mark.parametrize(
@@ -193,7 +192,6 @@ def test_ratio_threshold_skips_only_runaway_micro_batches(run, tmp_path, tiny_mo
         ("--response_length_min 0", "--response_length_min must be in [1, --response_length 6], got 0"),
         ("--response_length_min 7", "--response_length_min must be in [1, --response_length 6], got 7"),
         ("--use_score_norm", "--use_score_norm needs --use_score_scaling"),
-        ("--score_clip 0", "--score_clip and --ratio_threshold must be positive"),
     ],
 )
 def test_bad_flags_are_one_line_before_any_model_loads(flags, message, run, tmp_path, tiny_prompts_file):
