@@ -1075,7 +1075,7 @@ def update_moments(moments, values, mask, reduce=None):
     the global batch's and N processes keep what one would; every process calls it. Returns new moments (floats, which
     a checkpoint's state.pt stores as they are)."""
     m = mask.to(torch.float32)
-    values = values.float()
+    values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
     sums = torch.stack([(values * m).sum(), m.sum()])
     if reduce is not None:
         sums = reduce(sums)
