@@ -74,6 +74,8 @@ from utils import (
     load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
+    moments_std,
+    new_moments,
     open_logs,
     prepare_frozen,
     print_samples,
@@ -85,10 +87,12 @@ from utils import (
     reward_stats,
     save_checkpoint,
     save_ema,
+    scale_scores,
     set_ptx_state,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    update_moments,
     weighted_scores,
     write_completions,
     write_model_card,
@@ -161,6 +165,9 @@ class Args:
     # rollout
     response_length: int = 24
     """the most tokens generated per completion"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per completion uniformly from [response_length_min, response_length] (TRL's
+    LengthSampler, bounds included); None: always response_length"""
     temperature: float = 0.7
     """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
     stop_token: Optional[Literal["eos"]] = "eos"
@@ -189,11 +196,19 @@ class Args:
     """the lower clip range of the per-token probability ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
     """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    ratio_threshold: Optional[float] = None
+    """a micro-batch whose mean probability ratio exceeds this contributes no gradient (TRL)"""
     beta: float = 0.0
     """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's default) loads no reference model
     (DeepSeekMath used 0.04)"""
     mask_truncated_completions: bool = False
     """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
 
     # optimisation
     total_episodes: int = 512
@@ -353,6 +368,12 @@ if __name__ == "__main__":
         )
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
+        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
+    if args.use_score_norm and not args.use_score_scaling:
+        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
+    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
+        die("--score_clip and --ratio_threshold must be positive")
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.epsilon < 0 or epsilon_high < 0 or args.beta < 0 or args.num_iterations < 1:
         die("--epsilon, --epsilon_high and --beta must be >= 0 and --num_iterations >= 1")
@@ -440,6 +461,7 @@ if __name__ == "__main__":
     global_prompts = args.local_prompts * args.world_size
     stats_shape = (args.num_iterations, args.num_mini_batches, args.gradient_accumulation_steps)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
+    score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
     # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
     rollout_group = args.num_generations if args.local_rollout_forward_batch_size % args.num_generations == 0 else 1
@@ -460,6 +482,7 @@ if __name__ == "__main__":
         order, cursor = state["order"], state["cursor"]
         if ptx is not None:
             set_ptx_state(ptx, state["ptx"])
+        score_moments = state.get("score_moments", score_moments)
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
@@ -490,6 +513,11 @@ if __name__ == "__main__":
         # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
         # a completion depends on the seed and its place in the global batch, not on the process that samples it
         uniforms = torch.rand((global_prompts, args.num_generations, args.response_length), generator=data_rng)
+        # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
+        # it uses) from the shared generator, so every process draws the same and a resumed run draws it again
+        max_length = args.response_length
+        if args.response_length_min is not None:
+            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data_rng).item()
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
         idx = idx[mine]
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
@@ -517,7 +545,7 @@ if __name__ == "__main__":
                     model=unwrapped,
                     queries=query,
                     query_mask=qmask,
-                    response_length=args.response_length,
+                    response_length=max_length,
                     temperature=args.temperature,
                     stop_token_id=stop_token_id,
                     uniforms=uniform,
@@ -592,6 +620,19 @@ if __name__ == "__main__":
                 contain_eos = (responses == stop_token_id).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos).float()
+            # TRL's score scaling and clipping of the final score (the penalty included), of the scored completions;
+            # the moments take this batch in before they scale it. objective/scores stays the unscaled score
+            raw_scores = scores
+            if args.use_score_scaling:
+                score_moments = update_moments(score_moments, scores, scored, reduce_sum)
+            if args.use_score_scaling or args.score_clip is not None:
+                scores = scale_scores(
+                    scores,
+                    scored,
+                    moments=score_moments if args.use_score_scaling else None,
+                    norm=args.use_score_norm,
+                    clip=args.score_clip,
+                )
 
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
@@ -609,6 +650,7 @@ if __name__ == "__main__":
         pg_loss_stats = torch.zeros(stats_shape, device=device)
         ratio_stats = torch.zeros(stats_shape, device=device)
         ptx_stats = torch.zeros(stats_shape, device=device)
+        skipped_stats = torch.zeros(stats_shape, device=device)
         # token sums, divided by the token count once reduced over processes: token means over the whole update
         token_stats = torch.zeros((7, *stats_shape), device=device)  # count, entropy, kl, approxkl, low, high, region
         for epoch in range(args.num_iterations):
@@ -653,7 +695,7 @@ if __name__ == "__main__":
                             per_token_loss,
                             mb_mask,
                             loss_type=args.loss_type,
-                            response_length=args.response_length,
+                            response_length=args.response_length,  # not max_length: one token weight every update
                             dapo_tokens=dapo_tokens[mb],
                         )
                         loss = pg_loss
@@ -666,7 +708,11 @@ if __name__ == "__main__":
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
                         if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
-                        accelerator.backward(loss)
+                        # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no
+                        # gradient; its backward still runs, so that every process takes part in each step
+                        # (the mean as val/ratio takes it; a micro-batch without a loss token has none and no gradient)
+                        skip = args.ratio_threshold is not None and ratio[mb_mask].mean() > args.ratio_threshold
+                        accelerator.backward(loss * 0.0 if skip else loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                             # (None under DeepSpeed versions that clip inside their own step)
@@ -694,6 +740,7 @@ if __name__ == "__main__":
                             ).float()
                             pg_loss_stats[epoch, mb, ga] = pg_loss
                             ratio_stats[epoch, mb, ga] = ratio[mb_mask].mean() if mb_mask.any() else 1.0
+                            skipped_stats[epoch, mb, ga] = float(skip)
 
         policy.eval()
 
@@ -709,6 +756,8 @@ if __name__ == "__main__":
                 "val/ratio": ratio_stats.mean(),
                 "val/ratio_var": ratio_stats.var(unbiased=False),
             }
+            if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
+                stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
                 stats["objective/kl"] = rollout_kl.sum(1).mean()
@@ -717,9 +766,9 @@ if __name__ == "__main__":
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             all_lengths = accelerator.gather(lengths)
-            reward_std = batch_std(scores[scored], reduce_sum).item()
+            reward_std = batch_std(raw_scores[scored], reduce_sum).item()
             # the weighted score over the completions some source scored; each source's own statistics
-            source_stats = reward_stats(accelerator, per_source, sources, scores=scores, scored=scored)
+            source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["reward_std"] = reward_std
@@ -732,6 +781,11 @@ if __name__ == "__main__":
         metrics.update(zip(names, token_means[3:]))
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
+        if args.use_score_scaling:  # the running moments this update's scores were scaled with
+            metrics["objective/score_mean_running"] = score_moments["mean"]
+            metrics["objective/score_std_running"] = moments_std(score_moments)
+        if args.response_length_min is not None:
+            metrics["completions/max_length_allowed"] = max_length
         metrics["reward"] = metrics["objective/scores"]
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
@@ -745,7 +799,7 @@ if __name__ == "__main__":
                     completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
                     per_source=per_source,
                     sources=sources,
-                    scores=scores,
+                    scores=raw_scores,
                     scored=scored,
                 )
         if args.log_completions:
@@ -758,7 +812,7 @@ if __name__ == "__main__":
                 completions=tokenizer.batch_decode(responses, skip_special_tokens=True),
                 per_source=per_source,
                 sources=sources,
-                scores=scores.masked_fill(~scored, float("nan")),
+                scores=raw_scores.masked_fill(~scored, float("nan")),
                 advantages=advantages,
             )
 
@@ -768,6 +822,7 @@ if __name__ == "__main__":
             state = {
                 "update": update,
                 "episode": episode,
+                "score_moments": score_moments,
                 "data_rng": data_rng.get_state(),
                 "order": order,
                 "cursor": cursor,

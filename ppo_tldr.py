@@ -67,6 +67,8 @@ from utils import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
+    moments_std,
+    new_moments,
     open_logs,
     prepare_frozen,
     print_samples,
@@ -80,10 +82,12 @@ from utils import (
     save_checkpoint,
     save_ema,
     scalar_forward,
+    scale_scores,
     set_ptx_state,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    update_moments,
     weighted_scores,
     write_completions,
     write_eval_json,
@@ -159,6 +163,9 @@ class Args:
     # rollout
     response_length: int = 53
     """the most tokens generated per summary"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per summary uniformly from [response_length_min, response_length] (TRL's
+    LengthSampler, bounds included); None: always response_length. The evaluation always allows response_length"""
     temperature: float = 0.7
     """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
     stop_token: Optional[Literal["eos"]] = "eos"
@@ -194,6 +201,12 @@ class Args:
     the published run"""
     whiten_rewards: bool = False
     """scale per-token rewards to unit variance over real tokens before GAE"""
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
     gamma: float = 1.0
     """the discount factor"""
     lam: float = 0.95
@@ -206,6 +219,8 @@ class Args:
     """the weight of the value loss"""
     target_kl: Optional[float] = None
     """stop an update's epochs early once the approximate KL to the rollout policy exceeds this"""
+    ratio_threshold: Optional[float] = None
+    """a micro-batch whose mean probability ratio exceeds this contributes no gradient, policy or value (TRL)"""
     value_model_path: Optional[str] = None
     """the critic's init: a sequence-classification model (e.g. a critic saved by an earlier run, output_dir/critic);
     None: the reward model if given (and of the policy's vocabulary), else the policy's trunk with a new head"""
@@ -414,6 +429,12 @@ if __name__ == "__main__":
         die("--critic_warmup_updates needs a separate critic: with --value_head_shared the value loss trains the policy")
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
+        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
+    if args.use_score_norm and not args.use_score_scaling:
+        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
+    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
+        die("--score_clip and --ratio_threshold must be positive")
     if args.eval_every < 0 or args.eval_examples < 1 or args.eval_batch_size < 1:
         die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -537,6 +558,7 @@ if __name__ == "__main__":
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
     kl_coef = args.kl_coef
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # whitening statistics over all processes
+    score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
@@ -547,6 +569,7 @@ if __name__ == "__main__":
         if ptx is not None:
             set_ptx_state(ptx, state["ptx"])
         kl_coef = state["kl_coef"]
+        score_moments = state.get("score_moments", score_moments)
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
@@ -599,6 +622,11 @@ if __name__ == "__main__":
         # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
         # a completion depends on the seed and its place in the global batch, not on the process that samples it
         uniforms = torch.rand((args.batch_size, args.response_length), generator=data_rng)
+        # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
+        # it uses) from the shared generator, so every process draws the same and a resumed run draws it again
+        max_length = args.response_length
+        if args.response_length_min is not None:
+            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data_rng).item()
         mine = slice(
             accelerator.process_index * args.local_batch_size, (accelerator.process_index + 1) * args.local_batch_size
         )
@@ -622,7 +650,7 @@ if __name__ == "__main__":
                     model=unwrapped.policy,
                     queries=query,
                     query_mask=qmask,
-                    response_length=args.response_length,
+                    response_length=max_length,
                     temperature=args.temperature,
                     stop_token_id=stop_token_id,
                     uniforms=uniform,
@@ -688,6 +716,19 @@ if __name__ == "__main__":
                 contain_eos = (responses == stop_token_id).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos).float()
+            # TRL's score scaling and clipping of the final score (the penalty included), of the scored completions;
+            # the moments take this batch in before they scale it. objective/scores stays the unscaled score
+            raw_scores = scores
+            if args.use_score_scaling:
+                score_moments = update_moments(score_moments, scores, scored, reduce_sum)
+            if args.use_score_scaling or args.score_clip is not None:
+                scores = scale_scores(
+                    scores,
+                    scored,
+                    moments=score_moments if args.use_score_scaling else None,
+                    norm=args.use_score_norm,
+                    clip=args.score_clip,
+                )
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, in each token's reward
             if args.kl_estimator == "full":
@@ -718,6 +759,7 @@ if __name__ == "__main__":
         entropy_stats = torch.zeros(stats_shape, device=device)
         ratio_stats = torch.zeros(stats_shape, device=device)
         ptx_stats = torch.zeros(stats_shape, device=device)
+        skipped_stats = torch.zeros(stats_shape, device=device)
         for epoch in range(args.num_ppo_epochs):
             b_inds = torch.randperm(args.local_batch_size, device=device)
             for mb, mb_start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
@@ -762,6 +804,12 @@ if __name__ == "__main__":
                             ptx_loss = lm_loss(model(ptx_ids, ptx_mask, 0, policy_only=True), ptx_ids, ptx_mask)
                             loss = loss + policy_weight * args.ptx_coef * ptx_loss
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
+                        # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient,
+                        # to the critic either (whose loss reaches the policy's trunk with --value_head_shared); its
+                        # backward still runs, so that every process takes part in each step
+                        if args.ratio_threshold is not None and masked_mean(ratio, mb_mask) > args.ratio_threshold:
+                            loss = loss * 0.0
+                            skipped_stats[epoch, mb, ga] = 1.0
                         if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         accelerator.backward(loss)
@@ -815,14 +863,21 @@ if __name__ == "__main__":
             }
             if ptx is not None:
                 stats["loss/ptx"] = ptx_stats[done].mean()
+            if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
+                stats["policy/skipped_ratio_threshold"] = skipped_stats[done].mean()
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             # the weighted score over the completions some source scored; each source's own statistics
-            source_stats = reward_stats(accelerator, per_source, sources, scores=scores, scored=scored)
+            source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
+        if args.use_score_scaling:  # the running moments this update's scores were scaled with
+            metrics["objective/score_mean_running"] = score_moments["mean"]
+            metrics["objective/score_std_running"] = moments_std(score_moments)
+        if args.response_length_min is not None:
+            metrics["completions/max_length_allowed"] = max_length
         metrics["objective/kl_coef"] = kl_coef
         if args.critic_warmup_updates:
             metrics["policy/critic_warmup"] = float(warmup)  # 1: only the critic learnt in this update
@@ -838,7 +893,7 @@ if __name__ == "__main__":
                     completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
                     per_source=per_source,
                     sources=sources,
-                    scores=scores,
+                    scores=raw_scores,
                     scored=scored,
                 )
         if args.log_completions:
@@ -851,7 +906,7 @@ if __name__ == "__main__":
                 completions=tokenizer.batch_decode(responses, skip_special_tokens=True),
                 per_source=per_source,
                 sources=sources,
-                scores=scores.masked_fill(~scored, float("nan")),
+                scores=raw_scores.masked_fill(~scored, float("nan")),
                 advantages=masked_mean(advantages, train_mask, dim=1),
             )
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update (held while the policy is)
@@ -876,6 +931,7 @@ if __name__ == "__main__":
                 "update": update,
                 "episode": episode,
                 "kl_coef": kl_coef,
+                "score_moments": score_moments,
                 "data_rng": data_rng.get_state(),
                 "order": order,
                 "cursor": cursor,

@@ -21,6 +21,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Optional
 
 import numpy as np
@@ -58,6 +59,8 @@ from utils import (
     load_reward_sources,
     load_tokenizer,
     logprobs_from_logits,
+    moments_std,
+    new_moments,
     open_logs,
     prepare_frozen,
     print_samples,
@@ -69,10 +72,12 @@ from utils import (
     reward_stats,
     save_checkpoint,
     save_ema,
+    scale_scores,
     set_ptx_state,
     set_rng_state,
     truncate_metrics,
     truncate_response,
+    update_moments,
     weighted_scores,
     write_completions,
     write_model_card,
@@ -145,6 +150,9 @@ class Args:
     # rollout
     response_length: int = 24
     """the most tokens generated per completion"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per completion uniformly from [response_length_min, response_length] (TRL's
+    LengthSampler, bounds included); None: always response_length"""
     temperature: float = 0.7
     """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
     stop_token: Optional[Literal["eos"]] = "eos"
@@ -171,8 +179,16 @@ class Args:
     vocabulary at each position, from both models' logits"""
     cliprange: float = 0.2
     """the clip range of the sequence probability ratio"""
+    ratio_threshold: Optional[float] = None
+    """a micro-batch whose mean sequence probability ratio exceeds this contributes no gradient (TRL)"""
     normalize_advantage: bool = False
     """normalise advantages to zero mean and unit std over the batch"""
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
 
     # optimisation
     total_episodes: int = 512
@@ -284,6 +300,12 @@ if __name__ == "__main__":
         )
     if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
         die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
+        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
+    if args.use_score_norm and not args.use_score_scaling:
+        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
+    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
+        die("--score_clip and --ratio_threshold must be positive")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
     if args.resume and not list_checkpoints(args.output_dir):
@@ -366,6 +388,8 @@ if __name__ == "__main__":
     data_rng = torch.Generator().manual_seed(args.seed)
     order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
     global_prompts = args.local_prompts * args.world_size
+    reduce_sum = partial(accelerator.reduce, reduction="sum")  # the score moments' statistics over all processes
+    score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
     # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
@@ -381,6 +405,7 @@ if __name__ == "__main__":
         order, cursor = state["order"], state["cursor"]
         if ptx is not None:
             set_ptx_state(ptx, state["ptx"])
+        score_moments = state.get("score_moments", score_moments)
         start_update, episode = state["update"] + 1, state["episode"]
         if accelerator.is_main_process:
             truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
@@ -411,6 +436,11 @@ if __name__ == "__main__":
         # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
         # a completion depends on the seed and its place in the global batch, not on the process that samples it
         uniforms = torch.rand((global_prompts, args.rloo_k, args.response_length), generator=data_rng)
+        # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
+        # it uses) from the shared generator, so every process draws the same and a resumed run draws it again
+        max_length = args.response_length
+        if args.response_length_min is not None:
+            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data_rng).item()
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
         idx = idx[mine]
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
@@ -436,7 +466,7 @@ if __name__ == "__main__":
                     model=unwrapped,
                     queries=query,
                     query_mask=qmask,
-                    response_length=args.response_length,
+                    response_length=max_length,
                     temperature=args.temperature,
                     stop_token_id=stop_token_id,
                     uniforms=uniform,
@@ -501,6 +531,19 @@ if __name__ == "__main__":
                 contain_eos = (responses == stop_token_id).any(1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos).float()
+            # TRL's score scaling and clipping of the final score (the penalty included), of the scored completions;
+            # the moments take this batch in before they scale it. objective/scores stays the unscaled score
+            raw_scores = scores
+            if args.use_score_scaling:
+                score_moments = update_moments(score_moments, scores, scored, reduce_sum)
+            if args.use_score_scaling or args.score_clip is not None:
+                scores = scale_scores(
+                    scores,
+                    scored,
+                    moments=score_moments if args.use_score_scaling else None,
+                    norm=args.use_score_norm,
+                    clip=args.score_clip,
+                )
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, summed per completion
             if args.kl_estimator == "full":
@@ -525,6 +568,7 @@ if __name__ == "__main__":
         entropy_stats = torch.zeros(stats_shape, device=device)
         ratio_stats = torch.zeros(stats_shape, device=device)
         ptx_stats = torch.zeros(stats_shape, device=device)
+        skipped_stats = torch.zeros(stats_shape, device=device)
         for epoch in range(args.num_ppo_epochs):
             # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
             b_inds = torch.randperm(args.local_prompts, device=device)[:, None] * args.rloo_k
@@ -564,7 +608,10 @@ if __name__ == "__main__":
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
                         if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
-                        accelerator.backward(loss)
+                        # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no
+                        # gradient; its backward still runs, so that every process takes part in each step
+                        skip = args.ratio_threshold is not None and ratio.mean() > args.ratio_threshold
+                        accelerator.backward(loss * 0.0 if skip else loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                             # (None under DeepSpeed versions that clip inside their own step)
@@ -580,6 +627,7 @@ if __name__ == "__main__":
                             pg_loss_stats[epoch, mb, ga] = pg_loss
                             entropy_stats[epoch, mb, ga] = entropy.masked_fill(mb_padding, 0.0).sum() / (~mb_padding).sum()
                             ratio_stats[epoch, mb, ga] = ratio.mean()
+                            skipped_stats[epoch, mb, ga] = float(skip)
 
         policy.eval()
 
@@ -602,14 +650,21 @@ if __name__ == "__main__":
             }
             if ptx is not None:
                 stats["loss/ptx"] = ptx_stats.mean()
+            if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
+                stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
             means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
             num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
             # the weighted score over the completions some source scored; each source's own statistics
-            source_stats = reward_stats(accelerator, per_source, sources, scores=scores, scored=scored)
+            source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
+        if args.use_score_scaling:  # the running moments this update's scores were scaled with
+            metrics["objective/score_mean_running"] = score_moments["mean"]
+            metrics["objective/score_std_running"] = moments_std(score_moments)
+        if args.response_length_min is not None:
+            metrics["completions/max_length_allowed"] = max_length
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -622,7 +677,7 @@ if __name__ == "__main__":
                     completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
                     per_source=per_source,
                     sources=sources,
-                    scores=scores,
+                    scores=raw_scores,
                     scored=scored,
                 )
         if args.log_completions:
@@ -635,7 +690,7 @@ if __name__ == "__main__":
                 completions=tokenizer.batch_decode(responses, skip_special_tokens=True),
                 per_source=per_source,
                 sources=sources,
-                scores=scores.masked_fill(~scored, float("nan")),
+                scores=raw_scores.masked_fill(~scored, float("nan")),
                 advantages=advantages,
             )
 
@@ -645,6 +700,7 @@ if __name__ == "__main__":
             state = {
                 "update": update,
                 "episode": episode,
+                "score_moments": score_moments,
                 "data_rng": data_rng.get_state(),
                 "order": order,
                 "cursor": cursor,

@@ -1354,3 +1354,58 @@ def lm_loss(logits, input_ids, attention_mask):
     logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # chunked, as the policy's logprobs
     mask = attention_mask[:, 1:].bool()
     return -logprobs.masked_fill(~mask, 0.0).sum() / mask.sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# score scaling and clipping (TRL's PPOConfig: use_score_scaling, use_score_norm, score_clip)
+
+
+def new_moments():
+    """Running moments of no value yet: count, mean, and m2, the sum of squared deviations from the mean."""
+    return {"count": 0.0, "mean": 0.0, "m2": 0.0}
+
+
+def update_moments(moments, values, mask, reduce=None):
+    """The running moments of every value seen so far where mask is true, with this batch's merged in (Chan, Golub and
+    LeVeque's pairwise update, which stays exact where summing squares would cancel). reduce, e.g.
+    partial(accelerator.reduce, reduction="sum"), sums the batch's statistics over processes, so that the moments are
+    the global batch's and N processes keep what one would; every process calls it. Returns new moments (floats, which
+    a checkpoint's state.pt stores as they are)."""
+    m = mask.to(torch.float32)
+    values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
+    sums = torch.stack([(values * m).sum(), m.sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    total, n = sums.tolist()
+    mean = total / max(n, 1.0)
+    squares = ((values - mean) ** 2 * m).sum()  # around the batch's own mean, not the running one
+    if reduce is not None:
+        squares = reduce(squares)
+    if n == 0:  # no value in the whole batch
+        return dict(moments)
+    count = moments["count"] + n
+    delta = mean - moments["mean"]
+    return {
+        "count": count,
+        "mean": moments["mean"] + delta * n / count,
+        "m2": moments["m2"] + squares.item() + delta**2 * moments["count"] * n / count,
+    }
+
+
+def moments_std(moments):
+    """The unbiased standard deviation of the values the moments have seen (0 before two values)."""
+    return math.sqrt(moments["m2"] / max(moments["count"] - 1.0, 1.0))
+
+
+def scale_scores(scores, scored, moments=None, norm=False, clip=None):
+    """TRL's score scaling and clipping, of the completions some reward source scored (scored True); the others are
+    returned untouched. With moments: divided by their running std (plus float32's epsilon, as TRL), and with norm the
+    running mean subtracted first; then with clip, clipped to [-clip, clip]."""
+    out = scores
+    if moments is not None:
+        if norm:
+            out = out - moments["mean"]
+        out = out / (moments_std(moments) + torch.finfo(torch.float32).eps)
+    if clip is not None:
+        out = out.clamp(-clip, clip)
+    return torch.where(scored, out, scores)
