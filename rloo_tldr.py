@@ -76,12 +76,11 @@ from utils import (
     reward_stats,
     save_checkpoint,
     save_ema,
-    scale_scores,
     set_ptx_state,
     set_rng_state,
+    transform_scores,
     truncate_metrics,
     truncate_response,
-    update_moments,
     weighted_scores,
     write_completions,
     write_eval_json,
@@ -586,16 +585,7 @@ if __name__ == "__main__":
             # TRL's score scaling and clipping of the final score (the penalty included), of the scored completions;
             # the moments take this batch in before they scale it. objective/scores stays the unscaled score
             raw_scores = scores
-            if args.use_score_scaling:
-                score_moments = update_moments(score_moments, scores, scored, reduce_sum)
-            if args.use_score_scaling or args.score_clip is not None:
-                scores = scale_scores(
-                    scores,
-                    scored,
-                    moments=score_moments if args.use_score_scaling else None,
-                    norm=args.use_score_norm,
-                    clip=args.score_clip,
-                )
+            scores, score_moments = transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, summed per completion
             if args.kl_estimator == "full":

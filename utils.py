@@ -1409,3 +1409,15 @@ def scale_scores(scores, scored, moments=None, norm=False, clip=None):
     if clip is not None:
         out = out.clamp(-clip, clip)
     return torch.where(scored, out, scores)
+
+
+def transform_scores(scores, scored, moments, args, reduce=None):
+    """--use_score_scaling (with --use_score_norm) and --score_clip as every script applies them: the running moments
+    take this batch's scored completions in first (TRL's order, so the first batch is scaled by its own std), then
+    scale_scores. Returns (scores, moments), both as given when the flags are off."""
+    if args.use_score_scaling:
+        moments = update_moments(moments, scores, scored, reduce)
+    if args.use_score_scaling or args.score_clip is not None:
+        moments_used = moments if args.use_score_scaling else None
+        scores = scale_scores(scores, scored, moments=moments_used, norm=args.use_score_norm, clip=args.score_clip)
+    return scores, moments
