@@ -5,9 +5,7 @@ python benchmark/trl_grpo.py WORLD OUTPUT --updates 20 ..."""
 
 import argparse
 import importlib.util
-import json
 import os
-import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("world")
@@ -25,7 +23,8 @@ parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
 import datasets  # noqa: E402  (after argparse, so --help is instant)
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from peer_log import Log  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("reward", os.path.join(args.world, "reward.py"))
@@ -35,19 +34,6 @@ model_dir = os.path.join(args.world, "model")
 dataset = datasets.load_dataset("json", data_files=os.path.join(args.world, "prompts.jsonl"), split="train")
 os.makedirs(args.output, exist_ok=True)
 batch = args.prompts_per_update * args.k
-
-
-class Log(TrainerCallback):
-    def on_train_begin(self, *a, **kw):
-        self.start = time.time()
-
-    def on_log(self, _args, state, _control, logs=None, **kw):
-        if logs and "reward" in logs:
-            row = {"episode": state.global_step * batch, "seconds": time.time() - self.start, "reward": logs["reward"]}
-            row["kl"] = logs.get("kl")
-            row["length"] = logs.get("completions/mean_length")
-            with open(os.path.join(args.output, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
 
 
 config = GRPOConfig(
@@ -80,6 +66,6 @@ trainer = GRPOTrainer(
     args=config,
     train_dataset=dataset,
     processing_class=AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
-    callbacks=[Log()],
+    callbacks=[Log(args.output, batch)],
 )
 trainer.train()

@@ -5,10 +5,8 @@ training began, reward, per-token KL, mean completion length), as the other peer
 python benchmark/trl_real.py rloo OUTPUT --dataset data/arithmetic.jsonl --reward accuracy --updates 24 ..."""
 
 import argparse
-import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -32,7 +30,7 @@ parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
 import datasets  # noqa: E402  (after argparse, so --help is instant)
-from transformers import TrainerCallback  # noqa: E402
+from peer_log import Log  # noqa: E402
 
 from utils import BUILTIN_REWARDS, load_tokenizer  # noqa: E402
 
@@ -56,19 +54,6 @@ reward.__name__ = args.reward  # TRL names the reward's metrics after the functi
 dataset = datasets.load_dataset("json", data_files=args.dataset, split="train")
 os.makedirs(args.output, exist_ok=True)
 batch = args.per_device_train_batch_size * args.gradient_accumulation_steps  # completions per optimiser step
-
-
-class Log(TrainerCallback):
-    def on_train_begin(self, *a, **kw):
-        self.start = time.time()
-
-    def on_log(self, _args, state, _control, logs=None, **kw):
-        if logs and "reward" in logs:
-            row = {"episode": state.global_step * batch, "seconds": time.time() - self.start, "reward": logs["reward"]}
-            row["kl"] = logs.get("kl")
-            row["length"] = logs.get("completions/mean_length")
-            with open(os.path.join(args.output, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
 
 
 config = Config(
@@ -100,6 +85,6 @@ trainer = Trainer(
     args=config,
     train_dataset=dataset,
     processing_class=tokenizer,
-    callbacks=[Log()],
+    callbacks=[Log(args.output, batch)],
 )
 trainer.train()

@@ -4,9 +4,7 @@ alike. Run by compare.py; by hand: python benchmark/trl_rloo.py WORLD OUTPUT --u
 
 import argparse
 import importlib.util
-import json
 import os
-import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("world")
@@ -22,7 +20,8 @@ parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
 import datasets  # noqa: E402  (after argparse, so --help is instant)
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from peer_log import Log  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 from trl import RLOOConfig, RLOOTrainer  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("reward", os.path.join(args.world, "reward.py"))
@@ -32,19 +31,6 @@ model_dir = os.path.join(args.world, "model")
 dataset = datasets.load_dataset("json", data_files=os.path.join(args.world, "prompts.jsonl"), split="train")
 os.makedirs(args.output, exist_ok=True)
 batch = args.prompts_per_update * args.k
-
-
-class Log(TrainerCallback):
-    def on_train_begin(self, *a, **kw):
-        self.start = time.time()
-
-    def on_log(self, _args, state, _control, logs=None, **kw):
-        if logs and "reward" in logs:
-            row = {"episode": state.global_step * batch, "seconds": time.time() - self.start, "reward": logs["reward"]}
-            row["kl"] = logs.get("kl")
-            row["length"] = logs.get("completions/mean_length")
-            with open(os.path.join(args.output, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
 
 
 config = RLOOConfig(
@@ -75,6 +61,6 @@ trainer = RLOOTrainer(
     args=config,
     train_dataset=dataset,
     processing_class=AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
-    callbacks=[Log()],
+    callbacks=[Log(args.output, batch)],
 )
 trainer.train()
