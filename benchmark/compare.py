@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -30,16 +31,36 @@ sys.path.insert(0, HERE)
 from world import build  # noqa: E402
 
 
-def run(cmd, log):
-    """Run cmd; returns (seconds, peak resident memory in bytes), the peak as the kernel counted it for that process
-    (os.wait4's rusage: exact, not sampled)."""
-    start = time.time()
+def run(cmd, log, gpu=False):
+    """Run cmd; returns (seconds, peak memory in bytes). On the CPU the peak is the process's resident memory as the
+    kernel counted it (os.wait4's rusage: exact, not sampled). With gpu=True it is the GPU memory in use as
+    nvidia-smi reports it (the CUDA context, the caching allocator's reserve and all), sampled every 0.2 s: the same
+    yardstick for both sides, whatever allocator each uses."""
+    start, peak, done = time.time(), [0], threading.Event()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        if gpu:
+            # the whole machine's GPU memory less what was in use before the start: the runs go one at a time, and
+            # inside a container nvidia-smi often cannot map its processes to our pids
+            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+            def used():
+                return sum(int(m) for m in subprocess.run(query, capture_output=True, text=True).stdout.split()) * 2**20
+
+            base = used()
+
+            def sample():
+                while not done.is_set():  # not proc.poll(), which could reap the child before os.wait4
+                    peak[0] = max(peak[0], used() - base)
+                    time.sleep(0.2)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
+        done.set()
     if status:
         sys.exit(f"error: {cmd[1]} failed (status {status}); see {log}")
-    return time.time() - start, usage.ru_maxrss * 1024  # kilobytes on Linux
+    return time.time() - start, peak[0] if gpu else usage.ru_maxrss * 1024  # kilobytes on Linux
 
 
 def matmul_peak(seconds=3.0, n=1024):

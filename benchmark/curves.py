@@ -12,7 +12,12 @@ built-in `accuracy` reward. Settings, the same on every side: 4 prompts x 4 comp
 annealed linearly, fp32, no gradient checkpointing (TRL's default is on: --peer_gradient_checkpointing runs the peer
 with it), RLOO's KL coefficient 0.05, GRPO's beta 0 (TRL's default and grpo.py's), every other flag each script's
 default. Runs go one after the other; each (system, seed) writes OUT/<system>/seed<N>/metrics.jsonl, and a run whose
-metrics are complete is not run again (--rerun forces it), so an interrupted figure resumes where it stopped.
+metrics are complete is not run again (--rerun forces it), so an interrupted figure resumes where it stopped. The ppo
+figure takes its rloo.py and grpo.py runs from the rloo and grpo figures of the same task where those are complete
+(the commands are the same), and runs only ppo.py's.
+
+--gpu runs both sides on the GPU in bf16 (our scripts' --bf16, the peer's use_cpu=False and bf16=True) and measures
+the GPU memory in use (nvidia-smi, sampled) instead of resident memory; results go to curves_{algo}_{task}_gpu.
 
 Writes OUT/results.json, OUT/results.md (final score as mean and std over seeds, episodes/s, seconds to reach
 --target, peak memory) and OUT/curves.png: score and KL against episodes and against seconds of training, each
@@ -21,6 +26,7 @@ system's mean over seeds with a band from the lowest to the highest seed, smooth
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 
@@ -54,30 +60,31 @@ def convert(name, folder):
     return folder
 
 
-def command(system, algo, model, task, seed, updates, run_dir, peer_checkpointing):
+def command(system, algo, model, task, seed, updates, run_dir, peer_checkpointing, gpu):
     data, reward, _ = TASKS[task]
     if system == "trl":
         cmd = [sys.executable, os.path.join(HERE, "trl_real.py"), algo, run_dir, "--model", model, "--reward", reward]
         cmd += ["--dataset", os.path.join(REPO, data), "--updates", str(updates), "--k", str(K), "--seed", str(seed)]
         cmd += ["--beta", "0.05" if algo == "rloo" else "0.0"]
-        return cmd + (["--gradient_checkpointing"] if peer_checkpointing else [])
+        return cmd + (["--gradient_checkpointing"] if peer_checkpointing else []) + (["--gpu"] if gpu else [])
     cmd = [sys.executable, os.path.join(REPO, system), "--model_name_or_path", model, "--reward_fn", reward]
     cmd += ["--dataset_name", os.path.join(REPO, data), "--total_episodes", str(updates * K * PROMPTS)]
     cmd += ["--seed", str(seed), "--num_sample_generations", "0", "--no_save_model", "--output_dir", run_dir]
     cmd += {"rloo.py": ["--rloo_k", str(K)], "grpo.py": ["--num_generations", str(K), "--beta", "0"], "ppo.py": []}[system]
-    return cmd
+    return cmd + (["--bf16"] if gpu else [])
 
 
 def rows_of(system, path):
-    """(episode, seconds of training, score, KL per token) per update, whichever side wrote them"""
+    """(episode, seconds of training, score, KL per token, mean completion length) per update, whichever side wrote
+    them"""
     out = []
     for r in read(path):
         if system == "trl":
-            out.append((r["episode"], r["seconds"], r["reward"], r["kl"]))
+            out.append((r["episode"], r["seconds"], r["reward"], r["kl"], r["length"]))
         else:
             length = r.get("val/response_length", r.get("completions/mean_length"))
             kl = r.get("kl") if system == "grpo.py" else r["objective/kl"] / max(length, 1.0)
-            out.append((r["episode"], r["episode"] / r["eps"], r["objective/scores"], kl))
+            out.append((r["episode"], r["episode"] / r["eps"], r["objective/scores"], kl, length))
     return out
 
 
@@ -96,13 +103,16 @@ if __name__ == "__main__":
     parser.add_argument("--target", type=float, default=None, help="the score whose first reach is timed")
     parser.add_argument("--smooth", type=int, default=4, help="updates averaged for the target and the plots")
     parser.add_argument("--peer_gradient_checkpointing", action="store_true", help="the peer with TRL's default")
+    parser.add_argument("--gpu", action="store_true", help="both sides on the GPU in bf16, GPU memory measured")
     parser.add_argument("--rerun", action="store_true", help="run again even where complete metrics exist")
-    parser.add_argument("--out", default=None, help="default: benchmark/results/curves_{algo}_{task}")
+    parser.add_argument("--out", default=None, help="default: benchmark/results/curves_{algo}_{task}[_gpu]")
     args = parser.parse_args()
     target = TASKS[args.task][2] if args.target is None else args.target
-    args.out = args.out or os.path.join(HERE, "results", f"curves_{args.algo}_{args.task}")
+    mode = "_gpu" if args.gpu else ""
+    args.out = args.out or os.path.join(HERE, "results", f"curves_{args.algo}_{args.task}{mode}")
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the peers run with use_cpu=True; a GPU mode is not written yet
+    if not args.gpu:  # on the CPU also on a machine with a GPU: the peers run with use_cpu=True
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if os.path.exists(os.path.join(args.model, "config.json")):
         model = os.path.abspath(args.model)
     else:  # a package or a GGUF file: converted once, into a folder named after it
@@ -118,13 +128,27 @@ if __name__ == "__main__":
             metrics = os.path.join(run_dir, "metrics.jsonl")
             if not args.rerun and os.path.exists(metrics) and len(read(metrics)) == args.updates:
                 continue
-            if os.path.exists(metrics):
-                os.remove(metrics)
-            os.makedirs(run_dir, exist_ok=True)
-            cmd = command(system, args.algo, model, args.task, seed, args.updates, run_dir, args.peer_gradient_checkpointing)
-            print(f"{system} seed {seed}: {' '.join(cmd[1:])}", flush=True)
-            wall, peak = run(cmd, os.path.join(run_dir, "log"))
-            memory[(system, str(seed))] = peak / 2**20
+            # the ppo figure's rloo.py and grpo.py runs are those of the rloo and grpo figures (the same commands),
+            # taken from there when complete rather than run again
+            name = system.replace(".py", "")
+            source = os.path.join(HERE, "results", f"curves_{name}_{args.task}{mode}")
+            done = os.path.join(source, name, f"seed{seed}", "metrics.jsonl")
+            if args.algo == "ppo" and name != "ppo" and not args.rerun and os.path.exists(done):
+                with open(os.path.join(source, "memory.json")) as f:
+                    peak = json.load(f).get(f"{system}|{seed}")
+                if peak is not None and len(read(done)) == args.updates:
+                    shutil.copytree(os.path.dirname(done), run_dir, dirs_exist_ok=True)
+                    memory[(system, str(seed))] = peak
+                    print(f"{system} seed {seed}: taken from {os.path.relpath(source, REPO)}", flush=True)
+                    source = None
+            if source is not None:
+                if os.path.exists(metrics):
+                    os.remove(metrics)
+                os.makedirs(run_dir, exist_ok=True)
+                cmd = command(system, args.algo, model, args.task, seed, args.updates, run_dir,
+                              args.peer_gradient_checkpointing, args.gpu)  # fmt: skip
+                print(f"{system} seed {seed}: {' '.join(cmd[1:])}", flush=True)
+                memory[(system, str(seed))] = run(cmd, os.path.join(run_dir, "log"), gpu=args.gpu)[1] / 2**20
             with open(os.path.join(args.out, "memory.json"), "w") as f:
                 json.dump({"|".join(k): v for k, v in memory.items()}, f, indent=1)
 
@@ -186,13 +210,18 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    # the second row: the KL where any system logs one (not GRPO with beta 0, which has no reference), else the
+    # completions' mean length
+    kl = any(r[3] is not None for per_seed in curves.values() for rows in per_seed.values() for r in rows)
+    second = (3, "KL to the reference (per token)") if kl else (4, "completion length (tokens)")
+    panels = [(2, f"score ({TASKS[args.task][1]})"), second]
     for system, per_seed in curves.items():
-        for row, (column, title) in enumerate([(2, f"score ({TASKS[args.task][1]})"), (3, "KL to the reference (per token)")]):
+        for row, (column, title) in enumerate(panels):
             for col, (x_index, x_label) in enumerate([(0, "episode"), (1, "seconds of training")]):
                 ax = axes[row, col]
                 runs = [[r for r in rows if r[column] is not None] for rows in per_seed.values()]
                 if not all(runs):
-                    continue  # no KL logged (GRPO with beta 0)
+                    continue  # no KL logged (GRPO with beta 0 beside PPO and RLOO)
                 # every seed on one grid: the episodes are shared; the seconds differ, so interpolate up to the end of
                 # the shortest run
                 end = min(rs[-1][x_index] for rs in runs)

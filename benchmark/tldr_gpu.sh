@@ -4,6 +4,8 @@
 # then the GPT-4o-mini judge on the first 1,000 validation examples with TRL's prompt and counting. TRL published win
 # rates against the reference summaries of SFT 33.0%, RLOO 51.2%, PPO 63.0% (one seed each). Not run yet: no GPU has
 # been available to this project. Usage: OPENAI_API_KEY=... bash benchmark/tldr_gpu.sh [seeds...]
+# On the same machine, the real-model curves beside TRL run on the GPU in bf16, with GPU memory measured, as
+#   python benchmark/curves.py rloo --task sentiment --gpu   (and grpo; ppo; --task arithmetic): see benchmark/README.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds=("${@:-1 2 3}")

@@ -26,6 +26,7 @@ parser.add_argument("--temperature", type=float, default=0.7)
 parser.add_argument("--beta", type=float, default=0.05, help="RLOO's KL coefficient, GRPO's KL weight")
 parser.add_argument("--learning_rate", type=float, default=5e-5)
 parser.add_argument("--gradient_checkpointing", action="store_true", help="TRL's default; off in our scripts")
+parser.add_argument("--gpu", action="store_true", help="on the GPU in bf16 (curves.py --gpu); default: the CPU, fp32")
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
@@ -67,13 +68,14 @@ config = Config(
     temperature=args.temperature,
     beta=args.beta,
     learning_rate=args.learning_rate,
+    adam_epsilon=1e-5,  # our scripts' (TRL's own default is 1e-8)
     lr_scheduler_type="linear",
     max_steps=args.updates,
     logging_steps=1,
     save_strategy="no",
     report_to="none",
-    use_cpu=True,
-    bf16=False,
+    use_cpu=not args.gpu,
+    bf16=args.gpu,
     gradient_checkpointing=args.gradient_checkpointing,
     seed=args.seed,
     disable_tqdm=True,
