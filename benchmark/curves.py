@@ -157,10 +157,14 @@ if __name__ == "__main__":
     for system in SYSTEMS[args.algo]:
         per_seed = {s: rows_of(system, os.path.join(args.out, system.replace(".py", ""), f"seed{s}", "metrics.jsonl"))
                     for s in args.seeds}  # fmt: skip
-        finals, eps, reach = [], [], []
+        finals, eps, reach, quarters, kls = [], [], [], [], []
         for rows in per_seed.values():
             scores = smooth([r[2] for r in rows], args.smooth)
             finals.append(scores[-1])
+            # the raw score averaged over each quarter of the run, and the per-token KL over its last updates
+            quarters.append([statistics.mean(r[2] for r in part) for part in np.array_split(np.array(rows, dtype=object), 4)])
+            if rows[-1][3] is not None:
+                kls.append(statistics.mean(r[3] for r in rows[-args.smooth :]))
             eps.append(rows[-1][0] / rows[-1][1])
             reach.append(next((r[1] for r, s in zip(rows, scores) if s >= target), None))
         reached = [t for t in reach if t is not None]
@@ -171,6 +175,8 @@ if __name__ == "__main__":
             "episodes_per_s": statistics.mean(eps),
             "seconds_to_target": reach,
             "seconds_to_target_mean": statistics.mean(reached) if reached else None,
+            "score_by_quarter": quarters,  # per seed
+            "final_kl_per_token": kls,  # per seed; empty without a KL
             "peak_rss_mib": max((memory.get((system, str(s)), 0.0) for s in args.seeds), default=0.0),
         }
         curves[system] = per_seed
@@ -189,6 +195,14 @@ if __name__ == "__main__":
             return "never"
         return f"{r['seconds_to_target_mean']:.0f} ({sum(t is not None for t in r['seconds_to_target'])}/{len(args.seeds)})"
 
+    def by_quarter(r):
+        q = np.array(r["score_by_quarter"])  # (seeds, 4)
+        return ", ".join(f"{m:.2f} ({lo:.2f} to {hi:.2f})" for m, lo, hi in zip(q.mean(0), q.min(0), q.max(0)))
+
+    def final_kl(r):
+        k = r["final_kl_per_token"]
+        return f"{statistics.mean(k):.3f} ({min(k):.3f} to {max(k):.3f})" if k else "none (no reference)"
+
     lines = [
         (
             f"final score (last {args.smooth} updates), mean ± std",
@@ -197,6 +211,8 @@ if __name__ == "__main__":
         ("episodes/s (mean over seeds)", lambda r: f"{r['episodes_per_s']:.2f}"),
         (f"seconds to a score of {target} (seeds reaching it)", reached),
         ("peak memory (MiB, highest seed)", lambda r: f"{r['peak_rss_mib']:.0f}"),
+        ("score by quarter of the run, mean over seeds (lowest to highest)", by_quarter),
+        (f"KL per token, last {args.smooth} updates, mean (lowest to highest)", final_kl),
     ]
     for label, cell in lines:
         table += f"| {label} | " + " | ".join(cell(r) for r in results.values()) + " |\n"
