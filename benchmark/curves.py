@@ -14,7 +14,8 @@ with it), RLOO's KL coefficient 0.05, GRPO's beta 0 (TRL's default and grpo.py's
 default. Runs go one after the other; each (system, seed) writes OUT/<system>/seed<N>/metrics.jsonl, and a run whose
 metrics are complete is not run again (--rerun forces it), so an interrupted figure resumes where it stopped. The ppo
 figure takes its rloo.py and grpo.py runs from the rloo and grpo figures of the same task where those are complete
-(the commands are the same), and runs only ppo.py's.
+(the commands are the same), and runs only ppo.py's. --systems runs and reports only the systems named (the peer can
+follow later: its complete runs are then kept).
 
 --gpu runs both sides on the GPU in bf16 (our scripts' --bf16, the peer's use_cpu=False and bf16=True) and measures
 the GPU memory in use (nvidia-smi, sampled) instead of resident memory; results go to curves_{algo}_{task}_gpu.
@@ -103,11 +104,15 @@ if __name__ == "__main__":
     parser.add_argument("--target", type=float, default=None, help="the score whose first reach is timed")
     parser.add_argument("--smooth", type=int, default=4, help="updates averaged for the target and the plots")
     parser.add_argument("--peer_gradient_checkpointing", action="store_true", help="the peer with TRL's default")
+    parser.add_argument("--systems", nargs="+", default=None, help="run and report only these (default: all)")
     parser.add_argument("--gpu", action="store_true", help="both sides on the GPU in bf16, GPU memory measured")
     parser.add_argument("--rerun", action="store_true", help="run again even where complete metrics exist")
     parser.add_argument("--out", default=None, help="default: benchmark/results/curves_{algo}_{task}[_gpu]")
     args = parser.parse_args()
     target = TASKS[args.task][2] if args.target is None else args.target
+    systems = args.systems or SYSTEMS[args.algo]
+    if set(systems) - set(SYSTEMS[args.algo]):
+        sys.exit(f"error: --systems must be among {' '.join(SYSTEMS[args.algo])} for {args.algo}")
     mode = "_gpu" if args.gpu else ""
     args.out = args.out or os.path.join(HERE, "results", f"curves_{args.algo}_{args.task}{mode}")
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
@@ -122,7 +127,7 @@ if __name__ == "__main__":
     if os.path.exists(os.path.join(args.out, "memory.json")):
         with open(os.path.join(args.out, "memory.json")) as f:
             memory = {tuple(k.split("|")): v for k, v in json.load(f).items()}
-    for system in SYSTEMS[args.algo]:
+    for system in systems:
         for seed in args.seeds:
             run_dir = os.path.abspath(os.path.join(args.out, system.replace(".py", ""), f"seed{seed}"))
             metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -154,7 +159,7 @@ if __name__ == "__main__":
 
     # per system: the smoothed curves of every seed, the final score, episodes/s and the time to reach the target
     results, curves = {}, {}
-    for system in SYSTEMS[args.algo]:
+    for system in systems:
         per_seed = {s: rows_of(system, os.path.join(args.out, system.replace(".py", ""), f"seed{s}", "metrics.jsonl"))
                     for s in args.seeds}  # fmt: skip
         finals, eps, reach, quarters, kls = [], [], [], [], []
