@@ -210,7 +210,7 @@ class Args:
     """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
 
     # optimisation
-    total_episodes: int = 512
+    total_episodes: int = 384
     """total completions to train on, a multiple of the batch"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass on each device"""

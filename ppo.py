@@ -224,7 +224,7 @@ class Args:
     its first advantages come from a critic that has learnt the rewards"""
 
     # optimisation
-    total_episodes: int = 320
+    total_episodes: int = 384
     """total completions to train on, a multiple of the batch"""
     per_device_train_batch_size: int = 8
     """completions per forward/backward pass on each device"""
@@ -234,7 +234,7 @@ class Args:
     """optimiser steps per epoch over the batch"""
     num_ppo_epochs: int = 1
     """passes over each batch"""
-    learning_rate: float = 1e-4
+    learning_rate: float = 5e-5
     """the AdamW learning rate, annealed linearly to zero"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
