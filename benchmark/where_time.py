@@ -1,0 +1,93 @@
+"""Where an update's time goes, on either side: runs one of our scripts or a TRL peer in this process, with the same
+timers around the same kinds of work, and writes the seconds per update by phase.
+
+    python benchmark/where_time.py OUT.json rloo.py --rloo_k 4 ...            # any of our scripts, with its flags
+    python benchmark/where_time.py OUT.json benchmark/trl_real.py rloo DIR ...  # the peer, with its flags
+
+Phases (the outermost timed call counts; nothing is counted twice):
+- generation: our utils.generate, transformers' generate() for TRL;
+- logprob passes: forward passes and logprob arithmetic without gradient outside generation (the rollout's policy
+  and reference passes; ppo.py's critic): our utils.forward_grouped, logprobs_from_logits and scalar_forward, TRL's
+  _get_per_token_logps_and_entropies;
+- training forward: the same functions with gradient;
+- backward: torch.autograd.backward; optimiser step: AdamW.step;
+- the rest: rewards, advantages, data, logging, gradient clipping.
+Timed from the first generation to the end of the last optimiser step, so loading the model is left out. The
+timers synchronise nothing: on a GPU, time a phase only with CUDA_LAUNCH_BLOCKING=1."""
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+out_path, script, command = sys.argv[1], sys.argv[2], " ".join(sys.argv[2:])
+if not os.path.exists(script):  # a path from the repository's root, run from elsewhere
+    script = os.path.join(REPO, script)
+seconds, depth, marks = defaultdict(float), [0], {"start": None, "end": None, "steps": 0}
+
+
+def timed(fn, phase):
+    """fn with its time added to phase, or to phase(grad) when phase is a pair (without, with gradient)"""
+
+    def wrapper(*args, **kwargs):
+        if depth[0]:  # inside another timed call: counted there
+            return fn(*args, **kwargs)
+        name = phase[torch.is_grad_enabled()] if isinstance(phase, tuple) else phase
+        if marks["start"] is None:
+            marks["start"] = time.perf_counter()
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - start
+            depth[0] -= 1
+            if name == "optimiser step":
+                marks["end"], marks["steps"] = time.perf_counter(), marks["steps"] + 1
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+passes = ("logprob passes", "training forward")
+torch.autograd.backward = timed(torch.autograd.backward, "backward")
+torch.optim.AdamW.step = timed(torch.optim.AdamW.step, "optimiser step")
+if "trl" in os.path.basename(script):
+    from transformers import GenerationMixin
+    from trl import GRPOTrainer, RLOOTrainer
+
+    GenerationMixin.generate = timed(GenerationMixin.generate, "generation")
+    for cls in (RLOOTrainer, GRPOTrainer):
+        cls._get_per_token_logps_and_entropies = timed(cls._get_per_token_logps_and_entropies, passes)
+else:  # the scripts import these names from utils when they start, so patching the module is enough
+    import utils
+
+    utils.generate = timed(utils.generate, "generation")
+    for name in ("forward_grouped", "logprobs_from_logits", "scalar_forward"):
+        setattr(utils, name, timed(getattr(utils, name), passes))
+
+
+@atexit.register
+def report():
+    if not marks["steps"]:
+        return
+    total = marks["end"] - marks["start"]
+    phases = ["generation", *passes, "backward", "optimiser step"]
+    row = {name: seconds[name] / marks["steps"] for name in phases}
+    row["the rest"] = total / marks["steps"] - sum(row.values())
+    result = {"command": command, "updates": marks["steps"], "seconds_per_update": row}
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(" | ".join(f"{name} {s:.2f} s" for name, s in row.items()), f"| per update, over {marks['steps']} updates")
+
+
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
