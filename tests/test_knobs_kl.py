@@ -141,7 +141,7 @@ def test_critic_warmup_holds_the_policy_then_trains_it(run, tmp_path, tiny_model
     [
         ("ppo.py", "--kl_penalty loss --kl_estimator full", "--kl_penalty loss cannot use --kl_estimator full"),
         ("ppo_tldr.py", "--kl_penalty loss --kl_estimator full", "--kl_penalty loss cannot use --kl_estimator full"),
-        ("ppo.py", "--critic_warmup_updates 20", "--critic_warmup_updates must be >= 0 and below the run's 20 updates"),
+        ("ppo.py", "--critic_warmup_updates 24", "--critic_warmup_updates must be >= 0 and below the run's 24 updates"),
         ("ppo.py", "--critic_warmup_updates 1 --value_head_shared", "--critic_warmup_updates needs a separate critic"),
     ],
 )
