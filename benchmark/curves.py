@@ -76,6 +76,24 @@ def command(system, algo, model, task, seed, updates, run_dir, peer_checkpointin
     return cmd + (["--bf16"] if gpu else [])
 
 
+def folder(out, system, seed):
+    """where a figure keeps one run: OUT/<system without .py>/seed<N>"""
+    return os.path.abspath(os.path.join(out, system.replace(".py", ""), f"seed{seed}"))
+
+
+def from_figure(system, task, mode, seed, updates):
+    """(folder, peak memory in MiB) of a complete run of this system and seed in its own figure of the task (rloo.py's
+    in curves_rloo_{task}, grpo.py's in curves_grpo_{task}), or None"""
+    figure = os.path.join(HERE, "results", f"curves_{system.replace('.py', '')}_{task}{mode}")
+    source = folder(figure, system, seed)
+    metrics = os.path.join(source, "metrics.jsonl")
+    if not os.path.exists(metrics) or len(read(metrics)) != updates:
+        return None
+    with open(os.path.join(figure, "memory.json")) as f:
+        peak = json.load(f).get(f"{system}|{seed}")
+    return None if peak is None else (source, peak)
+
+
 def rows_of(system, path):
     """(episode, seconds of training, score, KL per token, mean completion length) per update, whichever side wrote
     them"""
@@ -130,24 +148,20 @@ if __name__ == "__main__":
             memory = {tuple(k.split("|")): v for k, v in json.load(f).items()}
     for system in systems:
         for seed in args.seeds:
-            run_dir = os.path.abspath(os.path.join(args.out, system.replace(".py", ""), f"seed{seed}"))
+            run_dir = folder(args.out, system, seed)
             metrics = os.path.join(run_dir, "metrics.jsonl")
             if not args.rerun and os.path.exists(metrics) and len(read(metrics)) == args.updates:
                 continue
             # the ppo figure's rloo.py and grpo.py runs are those of the rloo and grpo figures (the same commands),
             # taken from there when complete rather than run again
-            name = system.replace(".py", "")
-            source = os.path.join(HERE, "results", f"curves_{name}_{args.task}{mode}")
-            done = os.path.join(source, name, f"seed{seed}", "metrics.jsonl")
-            if args.algo == "ppo" and name != "ppo" and not args.rerun and os.path.exists(done):
-                with open(os.path.join(source, "memory.json")) as f:
-                    peak = json.load(f).get(f"{system}|{seed}")
-                if peak is not None and len(read(done)) == args.updates:
-                    shutil.copytree(os.path.dirname(done), run_dir, dirs_exist_ok=True)
-                    memory[(system, str(seed))] = peak
-                    print(f"{system} seed {seed}: taken from {os.path.relpath(source, REPO)}", flush=True)
-                    source = None
-            if source is not None:
+            taken = None
+            if args.algo == "ppo" and system != "ppo.py" and not args.rerun:
+                taken = from_figure(system, args.task, mode, seed, args.updates)
+            if taken:
+                shutil.copytree(taken[0], run_dir, dirs_exist_ok=True)
+                memory[(system, str(seed))] = taken[1]
+                print(f"{system} seed {seed}: taken from {os.path.relpath(taken[0], REPO)}", flush=True)
+            else:
                 if os.path.exists(metrics):
                     os.remove(metrics)
                 os.makedirs(run_dir, exist_ok=True)
@@ -161,14 +175,13 @@ if __name__ == "__main__":
     # per system: the smoothed curves of every seed, the final score, episodes/s and the time to reach the target
     results, curves = {}, {}
     for system in systems:
-        per_seed = {s: rows_of(system, os.path.join(args.out, system.replace(".py", ""), f"seed{s}", "metrics.jsonl"))
-                    for s in args.seeds}  # fmt: skip
+        per_seed = {s: rows_of(system, os.path.join(folder(args.out, system, s), "metrics.jsonl")) for s in args.seeds}
         finals, eps, reach, quarters, kls = [], [], [], [], []
         for rows in per_seed.values():
             scores = smooth([r[2] for r in rows], args.smooth)
             finals.append(scores[-1])
             # the raw score averaged over each quarter of the run, and the per-token KL over its last updates
-            quarters.append([statistics.mean(r[2] for r in part) for part in np.array_split(np.array(rows, dtype=object), 4)])
+            quarters.append([statistics.mean(part) for part in np.array_split([r[2] for r in rows], 4)])
             if rows[-1][3] is not None:
                 kls.append(statistics.mean(r[3] for r in rows[-args.smooth :]))
             eps.append(rows[-1][0] / rows[-1][1])
