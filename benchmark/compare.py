@@ -58,6 +58,8 @@ def run(cmd, log, gpu=False):
             sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
         done.set()
+        if gpu:
+            sampler.join()  # its last query may still be running: wait for it before reading the peak
     if status:
         sys.exit(f"error: {cmd[1]} failed (status {status}); see {log}")
     return time.time() - start, peak[0] if gpu else usage.ru_maxrss * 1024  # kilobytes on Linux
