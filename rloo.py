@@ -264,6 +264,14 @@ def rloo_advantages(rlhf_reward, k, scored):
     return ((rewards - baseline) * valid * (others > 0)).flatten()
 
 
+def penalised_advantages(kl, scores, scored, args):
+    """Steps 3 and 4 for whole prompts' k rows: the score less the KL penalty (kl is per token, (rows, width)), and
+    the leave-one-out advantages of that reward. Returns (non_score_reward, rlhf_reward, advantages), each (rows,)."""
+    non_score_reward = -args.kl_coef * kl.sum(1)
+    rlhf_reward = scores + non_score_reward
+    return non_score_reward, rlhf_reward, rloo_advantages(rlhf_reward, args.rloo_k, scored)
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(
@@ -372,7 +380,9 @@ if __name__ == "__main__":
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU); transformers' Trainer
+    # uses it too (adamw_torch_fused)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # LightRFT: an exponential moving average of the policy's weights
     ema = ema_init(accelerator.unwrap_model(policy), args.ema_cpu) if args.ema_beta is not None else None
@@ -395,6 +405,21 @@ if __name__ == "__main__":
     rollout_group = args.rloo_k if args.local_rollout_forward_batch_size % args.rloo_k == 0 else 1
     train_group = 1 if args.per_device_train_batch_size % args.rloo_k or args.gradient_checkpointing else args.rloo_k
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    # one pass over one mini-batch, each micro-batch whole prompts: the policy steps only after reading every
+    # micro-batch, so the update's own logprobs, detached, are the rollout policy's. The rollout then skips that
+    # forward pass, and each micro-batch takes its KL penalty and advantages from them (the ratio is exactly 1).
+    # Advantages normalised over the batch, or the exact KL (which needs the policy's logits beside the
+    # reference's), need the whole batch first: those runs keep the pass. So do runs whose update runs its rows
+    # unlike the reference's pass (gradient checkpointing runs every row in full): their rounding differs, the KL
+    # of the unchanged policy would not be exactly 0, and where a prompt's scores tie Adam would step on that noise
+    on_policy = (
+        args.num_ppo_epochs == 1
+        and args.num_mini_batches == 1
+        and args.per_device_train_batch_size % args.rloo_k == 0
+        and train_group == rollout_group
+        and not args.normalize_advantage
+        and args.kl_estimator != "full"
+    )
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:
         last_checkpoint = list_checkpoints(args.output_dir)[-1]
@@ -476,12 +501,18 @@ if __name__ == "__main__":
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
-                # logprobs of the distribution sampled from: logits / temperature
+                # logprobs of the distribution sampled from: logits / temperature (on policy, the update's own; below)
                 keep = response.shape[1] + 1
-                logits = forward_grouped(
-                    unwrapped, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
-                )
-                logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
+                if not on_policy:
+                    logits = forward_grouped(
+                        unwrapped,
+                        query_response,
+                        mask,
+                        context_length=context_length,
+                        group=rollout_group,
+                        logits_to_keep=keep,
+                    )
+                    logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
                 with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = forward_grouped(
                         ref, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
@@ -507,11 +538,14 @@ if __name__ == "__main__":
                 )
                 responses.append(response)
                 lengths.append(length)
-            del logits, ref_logits  # (chunk, width, vocab) each: freed before the update allocates its own
+            logits = ref_logits = None  # (chunk, width, vocab) each: freed before the update allocates its own
             # chunks may stop at different lengths: pad them all to the longest
             width = max(r.shape[1] for r in responses)
             responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
-            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
+            if on_policy:  # filled in by the update, micro-batch by micro-batch
+                logprobs = torch.full(responses.shape, INVALID_LOGPROB, device=device)
+            else:
+                logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
             ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
             per_source = torch.cat(per_source, 1)  # (sources, local batch)
             # the weighted sum over the sources that scored each completion; one that none scored takes no part below
@@ -535,16 +569,14 @@ if __name__ == "__main__":
             raw_scores = scores
             scores, score_moments = transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
 
-            # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, summed per completion
+            # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, summed per
+            # completion; 4. advantages from the leave-one-out baseline (penalised_advantages). On policy the logprobs
+            # are still placeholders here: the update computes these four micro-batch by micro-batch
             if args.kl_estimator == "full":
                 kl = torch.cat([F.pad(k, (0, width - k.shape[1])) for k in full_kls]).masked_fill(padding_mask, 0.0)
             else:
                 kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
-            non_score_reward = -args.kl_coef * kl.sum(1)
-            rlhf_reward = scores + non_score_reward
-
-            # 4. advantages from the leave-one-out baseline
-            advantages = rloo_advantages(rlhf_reward, args.rloo_k, scored)
+            non_score_reward, rlhf_reward, advantages = penalised_advantages(kl, scores, scored, args)
             if args.normalize_advantage:  # over the scored completions; the others keep 0
                 mean, std = advantages[scored].mean(), advantages[scored].std()
                 advantages = ((advantages - mean) / (std + 1e-8)).nan_to_num(0.0).masked_fill(~scored, 0.0)
@@ -581,6 +613,15 @@ if __name__ == "__main__":
                             logits, responses[micro_inds], args.temperature, with_entropy=True
                         )
                         new_logprobs = new_logprobs.masked_fill(mb_padding, 0.0)
+                        if on_policy:  # the policy has not stepped since the rollout: these are its logprobs
+                            logprobs[micro_inds] = new_logprobs.detach().masked_fill(mb_padding, INVALID_LOGPROB)
+                            kl[micro_inds] = kl_estimate(
+                                logprobs[micro_inds], ref_logprobs[micro_inds], args.kl_estimator
+                            ).masked_fill(mb_padding, 0.0)
+                            non_score_reward[micro_inds], rlhf_reward[micro_inds], advantages[micro_inds] = (
+                                penalised_advantages(kl[micro_inds], scores[micro_inds], scored[micro_inds], args)
+                            )
+                            seq_logprobs[micro_inds] = new_logprobs.detach().sum(1)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro_inds]
                         ratio = torch.exp(logprobs_diff)
@@ -738,3 +779,6 @@ if __name__ == "__main__":
         writer.close()
         if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
             push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
+    # every process leaves the process group before the interpreter exits: left to exit, a two-process ZeRO-3 run
+    # sometimes aborted there ("terminate called without an active exception") after saving everything
+    accelerator.end_training()
