@@ -985,6 +985,8 @@ if __name__ == "__main__":
         )
         if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
             push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
-    # every process leaves the process group before the interpreter exits: left to exit, a two-process ZeRO-3 run
-    # sometimes aborted there ("terminate called without an active exception") after saving everything
+    # every process leaves the process group together, once the main process has written everything: a two-process
+    # ZeRO-3 run sometimes aborted in the other process as it exited while the main one was still saving
+    # ("terminate called without an active exception")
+    accelerator.wait_for_everyone()
     accelerator.end_training()
