@@ -464,11 +464,9 @@ if __name__ == "__main__":
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
     score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
-    # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
+    # prompts
     rollout_group = args.num_generations if args.local_rollout_forward_batch_size % args.num_generations == 0 else 1
-    train_group = (
-        1 if args.per_device_train_batch_size % args.num_generations or args.gradient_checkpointing else args.num_generations
-    )
+    train_group = 1 if args.per_device_train_batch_size % args.num_generations else args.num_generations
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
     # one pass over one mini-batch: the policy takes its only step after reading every micro-batch, so the update's
     # own logprobs, detached, are the rollout policy's, and the rollout skips that forward pass (as TRL's GRPOTrainer;

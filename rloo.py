@@ -401,17 +401,18 @@ if __name__ == "__main__":
     score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
-    # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
+    # prompts
     rollout_group = args.rloo_k if args.local_rollout_forward_batch_size % args.rloo_k == 0 else 1
-    train_group = 1 if args.per_device_train_batch_size % args.rloo_k or args.gradient_checkpointing else args.rloo_k
+    train_group = 1 if args.per_device_train_batch_size % args.rloo_k else args.rloo_k
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
     # one pass over one mini-batch, each micro-batch whole prompts: the policy steps only after reading every
     # micro-batch, so the update's own logprobs, detached, are the rollout policy's. The rollout then skips that
     # forward pass, and each micro-batch takes its KL penalty and advantages from them (the ratio is exactly 1).
     # Advantages normalised over the batch, or the exact KL (which needs the policy's logits beside the
     # reference's), need the whole batch first: those runs keep the pass. So do runs whose update runs its rows
-    # unlike the reference's pass (gradient checkpointing runs every row in full): their rounding differs, the KL
-    # of the unchanged policy would not be exactly 0, and where a prompt's scores tie Adam would step on that noise
+    # unlike the reference's pass (rollout chunks that split prompts run in full, whole-prompt micro-batches packed):
+    # their rounding differs, the KL of the unchanged policy would not be exactly 0, and where a prompt's scores tie
+    # Adam would step on that noise
     on_policy = (
         args.num_ppo_epochs == 1
         and args.num_mini_batches == 1

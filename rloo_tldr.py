@@ -424,9 +424,9 @@ if __name__ == "__main__":
     score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
-    # prompts; gradient checkpointing runs without a cache, so its micro-batches run every row in full
+    # prompts
     rollout_group = args.rloo_k if args.local_rollout_forward_batch_size % args.rloo_k == 0 else 1
-    train_group = 1 if args.per_device_train_batch_size % args.rloo_k or args.gradient_checkpointing else args.rloo_k
+    train_group = 1 if args.per_device_train_batch_size % args.rloo_k else args.rloo_k
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:

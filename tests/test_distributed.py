@@ -284,8 +284,8 @@ def test_bf16_rollout_policy_and_reference_agree(run, tmp_path, tiny_model_dir, 
 @pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "grpo.py"])
 def test_gradient_checkpointing_changes_only_memory(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """The same run with and without --gradient_checkpointing, on a model with dropout in its config: checkpointing
-    needs train mode, and with every dropout zeroed that computes what eval mode does. For rloo.py this also compares
-    micro-batches that run each prompt once (plain) with micro-batches run row by row in full (checkpointing)."""
+    needs train mode, and with every dropout zeroed that computes what eval mode does. For rloo.py both run each
+    prompt once in their micro-batches (packed rows, which checkpointing recomputes alike)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.3, hidden_dropout=0.3)

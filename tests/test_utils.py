@@ -245,10 +245,42 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     assert alone.tolist() == ours[1:2].tolist()
 
 
-def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm):
-    """Each prompt run once for its k completions: the same logits and the same gradients as running every row in
-    full, with left-padded prompts of different lengths and right-padded responses."""
-    model, tok = tiny_lm
+def tiny_llama(tok, attn_implementation, **kwargs):
+    """SmolLM2's shape in miniature: grouped-query attention, rotary positions, the LM head tied to the embedding"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        **kwargs,
+    )
+    return (
+        LlamaForCausalLM(config).eval()
+        if attn_implementation is None
+        else LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation).eval()
+    )
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm, tiny_model_dir, arch, attn):
+    """Each prompt run once for its k completions (one packed row per prompt): the same logits and the same gradients
+    as running every row in full, with left-padded prompts of different lengths and right-padded responses, for
+    either attention that takes the packed mask."""
+    from transformers import AutoModelForCausalLM
+
+    _, tok = tiny_lm
+    if arch == "gpt_neox":
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()
+    else:
+        model = tiny_llama(tok, attn)
     k, width = 3, 5
     prompts, pmask = utils.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]], tok.pad_token_id)
     queries, qmask = prompts.repeat_interleave(k, 0), pmask.repeat_interleave(k, 0)  # row j * k + i: prompt j
@@ -256,6 +288,10 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm):
     rmask = (torch.arange(width)[None, :] < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]).long()
     seqs, mask = torch.cat([queries, responses], 1), torch.cat([qmask, rmask], 1)
     context = queries.shape[1]
+    shapes = []  # the input of every call of the model: the packed path makes one, of one row per prompt
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     results = []
     for group in (1, k):
         model.zero_grad()
@@ -264,6 +300,8 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm):
         logp = utils.logprobs_from_logits(logits[:, :-1], responses)
         (logp * rmask).sum().backward()
         results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    hook.remove()
+    assert shapes == [tuple(seqs.shape), (2, context - 1 + k * (width + 1))]
     (plain, plain_grads), (grouped, grouped_grads) = results
     full = utils.forward(model, seqs, mask).logits[:, context - 1 :]  # forward() itself, all positions
     torch.testing.assert_close(plain, full.detach())
@@ -271,11 +309,28 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm):
     for a, b in zip(grouped_grads, plain_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     model.zero_grad()
+    # fewer logits kept: the last ones of each row
+    torch.testing.assert_close(utils.forward_grouped(model, seqs, mask, context, k, 2), plain[:, -2:], atol=1e-5, rtol=1e-5)
     # generation with the prompt run once per group samples the same tokens from the same numbers
     uniforms = torch.rand(len(queries), 6)
-    alone = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms)
-    grouped = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms, group=k)
+    with torch.no_grad():
+        alone = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms)
+        grouped = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms, group=k)
     assert grouped.tolist() == alone.tolist()
+
+
+def test_forward_grouped_runs_rows_in_full_under_a_shorter_sliding_window(tiny_lm):
+    """A sliding window shorter than the packed row (here 12 columns: 3 + 2 x 7) would cut a completion off its prompt:
+    such a model runs every row in full, and a window that covers the packed row lets it pack."""
+    _, tok = tiny_lm
+    seqs = torch.randint(0, len(tok), (4, 10), generator=torch.Generator().manual_seed(0))
+    for window, expected in [(12, (4, 10)), (17, (2, 17))]:
+        model = tiny_llama(tok, "sdpa", sliding_window=window)
+        shapes = []
+        hook = model.register_forward_pre_hook(lambda _, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        utils.forward_grouped(model, seqs, torch.ones_like(seqs), context_length=4, group=2, logits_to_keep=7)
+        hook.remove()
+        assert shapes == [expected]
 
 
 def test_sample_tokens_follows_the_tempered_distribution():
