@@ -594,7 +594,7 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     if config._attn_implementation == "eager":  # which adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, torch.finfo(torch.float32).min)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=group * seg).logits
-    return logits.view(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
+    return logits.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
 
 
 def sample_tokens(logits, temperature, uniforms):
