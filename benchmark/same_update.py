@@ -91,7 +91,7 @@ with torch.no_grad():
     attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
     scored = torch.ones_like(scores, dtype=torch.bool)
     loss_mask = ~padding_mask & scored[:, None]
-    advantages, zero_std = group_advantages(scores, K, "group", scored=scored)
+    advantages, _ = group_advantages(scores, K, "group", scored=scored)
 log("completion lengths", lengths.tolist(), "width", width)
 log("scores", [round(s, 3) for s in scores.tolist()])
 log("advantages", [round(a, 3) for a in advantages.tolist()])
@@ -106,7 +106,7 @@ step_tokens = loss_mask[b_inds].sum(1).reshape(1, -1).sum(1).float()
 dapo_tokens = step_tokens.clamp(min=1.0) / (1 * GA)  # world_size 1
 logprobs = torch.full(responses.shape, INVALID_LOGPROB)
 micro_batches = [b_inds[s : s + MICRO] for s in range(0, len(b_inds), MICRO)]
-our_losses, our_lp = [], torch.zeros(responses.shape)
+our_losses = []
 policy.zero_grad(set_to_none=True)
 for ga, micro_inds in enumerate(micro_batches):
     mb_padding, mb_mask = padding_mask[micro_inds], loss_mask[micro_inds]
@@ -133,7 +133,6 @@ for ga, micro_inds in enumerate(micro_batches):
     scaled = pg_loss / GA  # accelerator.backward divides by gradient_accumulation_steps (Accelerator(GA=2), not DeepSpeed)
     scaled.backward()
     our_losses.append(scaled.item())
-    our_lp[micro_inds] = new_logprobs.detach()
     log(f"ours micro-batch {ga}: pg_loss {pg_loss.item():.6e}, backpropagated {scaled.item():.6e}")
 g_ours = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
 w_ours = {n: p.detach().clone() for n, p in policy.named_parameters()}
@@ -197,12 +196,8 @@ log(
 prompt_list = [queries_all[i] for i in idx for _ in range(K)]
 prompt_ids, prompt_mask = left_pad(prompt_list, tokenizer.pad_token_id)  # == queries, query_mask
 assert torch.equal(prompt_ids, queries) and torch.equal(prompt_mask, query_mask)
-completion_ids_list = [responses[r, : lengths[r]].tolist() for r in range(len(responses))]
-completion_ids = torch.full((len(responses), width), tokenizer.pad_token_id, dtype=torch.long)
-completion_mask = torch.zeros((len(responses), width), dtype=torch.long)
-for r, ids in enumerate(completion_ids_list):
-    completion_ids[r, : len(ids)] = torch.tensor(ids)
-    completion_mask[r, : len(ids)] = 1
+# truncate_response already right-pads after the stop token, which the completion keeps, as TRL's do
+completion_ids, completion_mask = responses, (~padding_mask).long()
 num_items_in_batch = completion_mask.sum()  # accelerator.gather(loss_mask.sum()).sum(), one process
 inputs_list = [
     {
@@ -245,7 +240,7 @@ with torch.no_grad():
 # ------------------------------------------------------------------------------------------------------------------
 # 5. comparison
 real = loss_mask
-lp_diff = (our_lp - trl_lp)[real].abs()
+lp_diff = (logprobs - trl_lp)[real].abs()  # logprobs: ours, filled on policy
 print()
 print(f"tokens in the loss: {int(real.sum())} over {len(responses)} completions; prompt lengths {prompt_lengths}")
 print(f"per-token logprobs |ours - TRL|, real tokens: max {lp_diff.max().item():.3e}, mean {lp_diff.mean().item():.3e}")
