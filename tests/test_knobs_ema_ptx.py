@@ -1,9 +1,11 @@
 """The EMA copy of the policy (--ema_beta) and the PTX loss (--ptx_coef): the helpers against naive loops, and runs of
 rloo.py and ppo.py with a reward that is the same for every completion, so that only the PTX loss moves the policy."""
 
+import copy
 import json
 import os
 import shutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -12,9 +14,11 @@ import torch
 from safetensors.torch import load_file
 from test_rloo import check_ok, read_metrics
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["rloo.py", "ppo.py", "grpo.py", "rloo_tldr.py", "ppo_tldr.py"]
+sys.path.insert(0, REPO)
 
-from utils import check_ema_ptx_args, ema_init, ema_update, lm_loss, load_ptx, ptx_batch, ptx_state, set_ptx_state  # noqa: E402
+from utils import Shuffled, lm_loss, load_ptx, ptx_batch  # noqa: E402
 
 TEXTS = [
     "The river runs past the old mill and into the sea.",
@@ -25,33 +29,38 @@ TEXTS = [
 
 
 def test_ema_update_matches_a_naive_loop():
+    """The scripts' EMA: torch's AveragedModel with its EMA average, started with one update that copies the weights,
+    then one update after each optimiser step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
-    model[1].bias.requires_grad_(False)  # frozen: not averaged
+    model[1].bias.requires_grad_(False)  # frozen: it never moves, and neither does its average
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ema = ema_init(model, cpu=True)
-    assert set(ema) == {"0.weight", "0.bias", "1.weight"}
     beta, snapshots = 0.7, []
+    ema = AveragedModel(model, device="cpu", multi_avg_fn=get_ema_multi_avg_fn(beta))
+    ema.update_parameters(model)
     for _ in range(5):
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn_like(p))  # as an optimiser step would
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))  # as an optimiser step would
         snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        ema_update(ema, model, beta)
-    for name in ema:
+        ema.update_parameters(model)
+    averaged = dict(ema.module.named_parameters())
+    for name in init:
         for i in range(init[name].numel()):
             expected = init[name].flatten()[i].item()
             for snap in snapshots:
                 expected = beta * expected + (1 - beta) * snap[name].flatten()[i].item()
-            assert ema[name].flatten()[i].item() == pytest.approx(expected, abs=1e-6)
-    # float32 whatever the weights' dtype; beta 0 is the weights themselves
-    half = torch.nn.Linear(2, 2).to(torch.bfloat16)
-    ema = ema_init(half)
-    assert ema["weight"].dtype == torch.float32
+            assert averaged[name].flatten()[i].item() == pytest.approx(expected, abs=1e-6)
+    # beta 0 is the weights themselves
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.0))
+    ema.update_parameters(model)
     with torch.no_grad():
-        half.weight.mul_(3)
-    ema_update(ema, half, 0.0)
-    assert torch.equal(ema["weight"], half.weight.float())
+        model[0].weight.mul_(3)
+    ema.update_parameters(model)
+    assert torch.equal(ema.module[0].weight, model[0].weight)
 
 
 def test_lm_loss_matches_a_naive_loop():
@@ -99,15 +108,15 @@ def test_ptx_stream_processes_take_disjoint_slices_and_resume(tmp_path, tiny_tok
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     path = tmp_path / "texts.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*TEXTS, "A", "x y z w"]))
-    stream = load_ptx(ptx_args(path), tokenizer)
-    assert all(2 <= len(t) <= 7 for t in stream["texts"])  # cut to max_prompt_length + response_length
-    assert len(stream["texts"]) == 5  # "A" is one token: dropped
-    texts = [tuple(t) for t in stream["texts"]]
-    streams = [load_ptx(ptx_args(path), tokenizer) for _ in range(2)]
+    ptx_texts = load_ptx(ptx_args(path), tokenizer)
+    assert all(2 <= len(t) <= 7 for t in ptx_texts)  # cut to max_prompt_length + response_length
+    assert len(ptx_texts) == 5  # "A" is one token: dropped
+    texts = [tuple(t) for t in ptx_texts]
+    streams = [Shuffled(len(ptx_texts), seed=1) for _ in range(2)]
     drawn = []
     for _ in range(2):  # 2 x 2 processes x 2 texts = 8: one pass of 5, then 3 of a reshuffle
         for rank in range(2):
-            ids, mask = ptx_batch(streams[rank], 2, fake_accelerator(rank, 2), pad_token_id=-1)
+            ids, mask = ptx_batch(ptx_texts, streams[rank], 2, fake_accelerator(rank, 2), pad_token_id=-1)
             for row, m in zip(ids, mask):
                 assert m.tolist() == sorted(m.tolist(), reverse=True)  # right-padded
                 assert (row == -1).tolist() == (m == 0).tolist()
@@ -115,11 +124,11 @@ def test_ptx_stream_processes_take_disjoint_slices_and_resume(tmp_path, tiny_tok
     assert sorted(drawn[:5]) == sorted(texts)  # without replacement within a pass
     assert len(set(drawn[5:])) == 3
     # the stream continues exactly from its saved position
-    saved = ptx_state(streams[0])
-    expected = ptx_batch(streams[0], 3, fake_accelerator(0, 1), pad_token_id=-1)
-    fresh = load_ptx(ptx_args(path), tokenizer)
-    set_ptx_state(fresh, saved)
-    again = ptx_batch(fresh, 3, fake_accelerator(0, 1), pad_token_id=-1)
+    saved = copy.deepcopy(streams[0].state_dict())  # (what accelerate's save_state keeps of a registered object)
+    expected = ptx_batch(ptx_texts, streams[0], 3, fake_accelerator(0, 1), pad_token_id=-1)
+    fresh = Shuffled(len(ptx_texts), seed=1)
+    fresh.load_state_dict(saved)
+    again = ptx_batch(ptx_texts, fresh, 3, fake_accelerator(0, 1), pad_token_id=-1)
     assert all(torch.equal(a, b) for a, b in zip(expected, again))
 
 
@@ -141,18 +150,29 @@ def test_bad_ptx_data_gets_one_line(tmp_path, tiny_tokenizer_dir):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"ema_beta": 1.0}, "--ema_beta must be in [0, 1)"),
-        ({"ema_beta": 0.9, "use_peft": True}, "--ema_beta does not work with --use_peft"),
-        ({"ptx_coef": -1.0}, "--ptx_coef must be >= 0"),
-        ({"ptx_dataset": None}, "--ptx_coef needs --ptx_dataset"),
-        ({"ptx_max_length": 1}, "--ptx_max_length must be at least 2"),
+        ("--ema_beta 1.0", "--ema_beta must be in [0, 1)"),
+        ("--ema_beta 0.9 --use_peft", "--ema_beta does not work with --use_peft"),
+        ("--ptx_coef -1", "--ptx_coef must be >= 0"),
+        ("--ptx_coef 1", "--ptx_coef needs --ptx_dataset"),
+        ("--ptx_coef 1 --ptx_dataset texts.jsonl --ptx_max_length 1", "--ptx_max_length must be at least 2"),
     ],
 )
-def test_bad_ema_and_ptx_flags_get_one_line(flags, message):
-    with pytest.raises(SystemExit) as e:
-        check_ema_ptx_args(ptx_args("texts.jsonl", **flags), fake_accelerator(0, 1))
-    assert str(e.value).startswith("error: " + message), e.value
-    check_ema_ptx_args(ptx_args("texts.jsonl", ema_beta=0.0), fake_accelerator(0, 1))  # the defaults pass
+def test_bad_ema_and_ptx_flags_get_one_line(flags, message, tmp_path):
+    """Every script stops with the flag's line right after parsing, before the (missing) model is looked for."""
+    from test_knobs_card import RUN_ALL
+
+    (tmp_path / "run_all.py").write_text(RUN_ALL)
+    argvs = []
+    for script in SCRIPTS:
+        model = "--sft_model_path" if "tldr" in script else "--model_name_or_path"
+        argv = f"{model} {tmp_path}/missing --gradient_accumulation_steps 1 --output_dir {tmp_path}/{script} {flags}"
+        argvs.append([os.path.join(REPO, script), *argv.split()])
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "run_all.py"), json.dumps(argvs)], capture_output=True, text=True, cwd=tmp_path
+    )
+    check_ok(proc)
+    exits = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("EXIT ")]
+    assert len(exits) == len(SCRIPTS) and all(e.startswith("error: " + message) for e in exits), exits
 
 
 def write_inputs(tmp_path):
@@ -201,7 +221,7 @@ def test_ema_and_ptx_end_to_end_with_exact_resume(run, tmp_path, tiny_model_dir,
     lag = sum((ema[k] - init[k]).norm() ** 2 for k in init) ** 0.5
     behind = sum((final[k] - ema[k]).norm() ** 2 for k in init) ** 0.5
     assert 0 < lag < moved and behind > 0, (lag, moved, behind)
-    assert os.path.exists(out / "checkpoint-0000002" / "ema.safetensors")
+    assert os.path.exists(out / "checkpoint-0000002" / "custom_checkpoint_2.pkl")  # the prompts, the PTX texts, the EMA
 
     # the same run, stopped after its second checkpoint, then resumed
     cut = tmp_path / "cut"

@@ -121,7 +121,7 @@ def test_critic_warmup_holds_the_policy_then_trains_it(run, tmp_path, tiny_model
     for update in (1, 2):
         path = out / f"checkpoint-{update:07d}"
         weights[update] = load_file(path / "model.safetensors")
-        optimizer_state[update] = torch.load(path / "state.pt", weights_only=True)["optimizer"]["state"]
+        optimizer_state[update] = torch.load(path / "optimizer.bin", weights_only=True)["state"]  # (accelerate's name)
     n_critic = len([k for k in weights[1] if k.startswith("critic.")])
     for name, value in initial.items():
         assert torch.equal(weights[1]["policy." + name], value), name

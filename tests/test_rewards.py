@@ -272,15 +272,16 @@ def test_bad_reward_input_is_one_line(extra, message, run, tmp_path, tiny_model_
     assert not os.path.exists(out / "metrics.jsonl") or not read_metrics(out)
 
 
-def test_the_arithmetic_task_is_what_it_says():
+def test_the_arithmetic_task_is_what_it_says(tmp_path):
     """data/arithmetic.jsonl: chat prompts "What is a + b? ..." whose answer column is a + b, as make_arithmetic.py
-    writes them (the file is rebuilt the same)."""
+    writes them (rebuilt into a temporary file, the same; the shipped file is never written)."""
     import subprocess
     import sys
 
     from conftest import REPO
 
     path = os.path.join(REPO, "data", "arithmetic.jsonl")
+    before = os.stat(path).st_mtime_ns
     with open(path) as f:
         shipped = f.read()
     rows = [json.loads(line) for line in shipped.splitlines()]
@@ -288,6 +289,6 @@ def test_the_arithmetic_task_is_what_it_says():
     for row in rows:
         a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", row["prompt"][0]["content"]).groups())
         assert row["answer"] == a + b
-    subprocess.run([sys.executable, os.path.join(REPO, "data", "make_arithmetic.py")], check=True)
-    with open(path) as f:
-        assert f.read() == shipped
+    subprocess.run([sys.executable, os.path.join(REPO, "data", "make_arithmetic.py"), str(tmp_path / "a.jsonl")], check=True)
+    assert (tmp_path / "a.jsonl").read_text() == shipped
+    assert os.stat(path).st_mtime_ns == before  # the test wrote nothing into the repository

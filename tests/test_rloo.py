@@ -83,34 +83,6 @@ def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_p
     assert not os.path.exists(out / "model.safetensors")  # --no_save_model
 
 
-def test_on_policy_update_takes_the_rollout_pass_own_place(run, tmp_path, tiny_model_dir, tiny_prompts_file):
-    """One pass over one mini-batch skips the rollout's policy pass: the update's micro-batches compute the logprobs, KL
-    penalty and advantages of their own prompts. Micro-batches of 6 rows (not whole prompts of 4) keep the rollout's
-    pass; of 8 they take the shortcut. Both give the same gradient (the mean over the 24 rows), so the same run."""
-    (tmp_path / "reward.py").write_text(VOWELS)
-    common = (
-        f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --seed 3"
-        f" --reward_fn {tmp_path}/reward.py:vowels --rloo_k 4 --total_episodes 96 --response_length 8"
-        " --learning_rate 3e-2 --kl_coef 1.0 --temperature 1.0 --num_sample_generations 0 --no_save_model"
-    )
-    runs = {}
-    for micro, accum in [(6, 4), (8, 3)]:
-        out = tmp_path / f"micro{micro}"
-        proc = run(
-            f"{common} --per_device_train_batch_size {micro} --gradient_accumulation_steps {accum} --output_dir {out}",
-            cwd=tmp_path,
-        )
-        check_ok(proc)
-        runs[micro] = read_metrics(out)
-    assert len(runs[6]) == len(runs[8]) == 4
-    assert all(r["val/ratio"] == 1.0 for r in runs[8])  # the update's own logprobs: the ratio is exactly 1
-    assert any(abs(r["val/ratio"] - 1.0) > 0 for r in runs[6])  # the rollout's pass differs in the last bits
-    assert runs[8][-1]["objective/kl"] > 0.05  # the policy moved: the KL penalty shapes the later advantages
-    for off, on in zip(runs[6], runs[8]):
-        for key in ["objective/scores", "objective/kl", "objective/entropy", "objective/rlhf_reward", "loss/policy_avg"]:
-            assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-5), key
-
-
 def test_reward_model_with_same_and_other_tokenizer(run, tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file):
     common = (
         f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 2 --total_episodes 16"
