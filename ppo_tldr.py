@@ -41,11 +41,11 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import (
+    RunArgs,
     INVALID_LOGPROB,
     PolicyAndValue,
     Shuffled,
     check_accelerate_config,
-    check_hub_args,
     check_model,
     die,
     disable_dropout,
@@ -90,7 +90,7 @@ ALGORITHM = "PPO"
 
 
 @dataclass
-class Args:
+class Args(RunArgs):
     # algorithm
     # copy: ppo algorithm
     kl_coef: float = 0.05
@@ -208,39 +208,6 @@ class Args:
     """passes over each batch"""
     learning_rate: float = 3e-6
     """the AdamW learning rate, annealed linearly to zero"""
-    # copy: optimisation
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    bf16: bool = False
-    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
-    use_peft: bool = False
-    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
-    the reference is then the policy with its adapters switched off, so no second copy is held"""
-    lora_r: int = 16
-    """the LoRA rank"""
-    lora_alpha: int = 32
-    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
-    merge_lora: bool = False
-    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
-    ema_beta: Optional[float] = None
-    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
-    (LightRFT's EMA model); in [0, 1), None: off"""
-    ema_cpu: bool = False
-    """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
-    ptx_coef: float = 0.0
-    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
-    loss); 0: off"""
-    ptx_dataset: Optional[str] = None
-    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
-    ptx_split: str = "train"
-    """the split of --ptx_dataset"""
-    ptx_text_field: str = "text"
-    """the column of --ptx_dataset holding the texts"""
-    ptx_max_length: Optional[int] = None
-    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
-    # end copy
 
     # evaluation: greedy summaries of the first eval_examples prompts of --eval_split
     eval_every: int = 100_000
@@ -253,56 +220,8 @@ class Args:
     """eval prompts longer than --max_prompt_length: drop them (the N+ study's filter), or keep their last
     max_prompt_length tokens (TRL's evaluation takes the first eval_examples prompts, none dropped)"""
 
-    # copy: experiment
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    output_dir: Optional[str] = None
-    """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
-    track: bool = False
-    """log to Weights and Biases"""
-    wandb_project_name: str = "rlhf-scripts"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
-    num_sample_generations: int = 10
-    """how many times per run to print a table of sample completions (0: never)"""
-    log_completions: bool = False
-    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
-    and with --track a wandb table of each update's"""
-    checkpoint_every: int = 0
-    """write a checkpoint to output_dir every this many updates (0: never)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue the run in --output_dir from its newest complete checkpoint"""
-    save_model: bool = True
-    """save the trained model and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
-    push_to_hub: bool = False
-    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
-    hub_model_id: Optional[str] = None
-    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
-    hub_private: bool = False
-    """create the hub repo as a private one"""
-    trust_remote_code: bool = False
-    """let transformers run model code shipped with the checkpoint"""
-
-    # to be filled in at runtime
-    distributed_type: str = ""
-    """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
-    world_size: int = 0
-    """the number of processes"""
-    local_mini_batch_size: int = 0
-    """completions per optimiser step on each process"""
-    local_batch_size: int = 0
-    """completions per update on each process"""
-    batch_size: int = 0
-    """completions per update on all processes"""
-    num_updates: int = 0
-    """the number of updates of the run"""
-    # end copy
-    local_prompts: int = 0
+    # to be filled in at runtime (RunArgs holds the other sizes)
+    local_prompts: tyro.conf.Suppress[int] = 0
     """prompts per update on each process (one completion each)"""
 
 
@@ -410,26 +329,11 @@ if __name__ == "__main__":
         die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
     if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
         die("--score_clip and --ratio_threshold must be positive")
-    if args.ema_beta is not None and not 0 <= args.ema_beta < 1:
-        die(f"--ema_beta must be in [0, 1), got {args.ema_beta}")
-    # every process would need the whole policy to average it, and LoRA's saves would each need an EMA twin
+    # every process would need the whole policy to average it
     if args.ema_beta is not None and zero3(accelerator):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
-    if args.ema_beta is not None and args.use_peft:
-        die("--ema_beta does not work with --use_peft yet")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
-    if args.ptx_coef < 0:
-        die(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
-    if args.ptx_coef > 0 and not args.ptx_dataset:
-        die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
-    if args.ptx_max_length is not None and args.ptx_max_length < 2:
-        die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {args.ptx_max_length}")
-    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
-        die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
-    if args.use_peft and args.lora_r < 1:
-        die(f"--lora_r must be at least 1, got {args.lora_r}")
-    check_hub_args(args)
     # end copy
 
     # copy: ppo checks

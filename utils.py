@@ -21,10 +21,13 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
+import tyro
 from accelerate.utils import gather_object
 
 # written into the logprobs of padding positions, so that a padding token that leaks into a sum is easy to spot
@@ -34,6 +37,128 @@ INVALID_LOGPROB = 1.0
 def die(msg):
     """Stop the run with a one-line error (no traceback): bad input is the user's to fix, not a crash."""
     raise SystemExit(f"error: {msg}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the flags every script takes besides its algorithm's
+
+
+@dataclass
+class RunArgs:
+    """What every script's `Args` adds to its algorithm's fields (`class Args(RunArgs)`): the experiment and its
+    outputs, the optimisation's extras, and the sizes filled in at runtime (no flags). tyro lists these first in
+    --help."""
+
+    # experiment
+    exp_name: str = field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+    save_model: bool = True
+    """save the trained model and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
+    push_to_hub: bool = False
+    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
+    hub_model_id: Optional[str] = None
+    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
+    hub_private: bool = False
+    """create the hub repo as a private one"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
+
+    # optimisation
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    bf16: bool = False
+    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
+    use_peft: bool = False
+    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
+    the reference is then the policy with its adapters switched off, so no second copy is held"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
+    merge_lora: bool = False
+    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
+    ema_beta: Optional[float] = None
+    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
+    (LightRFT's EMA model); in [0, 1), None: off"""
+    ema_cpu: bool = False
+    """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
+    ptx_coef: float = 0.0
+    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
+    loss); 0: off"""
+    ptx_dataset: Optional[str] = None
+    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
+    ptx_split: str = "train"
+    """the split of --ptx_dataset"""
+    ptx_text_field: str = "text"
+    """the column of --ptx_dataset holding the texts"""
+    ptx_max_length: Optional[int] = None
+    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
+
+    # to be filled in at runtime
+    distributed_type: tyro.conf.Suppress[str] = ""
+    """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
+    world_size: tyro.conf.Suppress[int] = 0
+    """the number of processes"""
+    local_mini_batch_size: tyro.conf.Suppress[int] = 0
+    """completions per optimiser step on each process"""
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    """completions per update on each process"""
+    batch_size: tyro.conf.Suppress[int] = 0
+    """completions per update on all processes"""
+    num_updates: tyro.conf.Suppress[int] = 0
+    """the number of updates of the run"""
+
+    def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
+        if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
+            die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
+        if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
+            die("--ema_beta does not work with --use_peft yet")
+        if self.ptx_coef < 0:
+            die(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
+        if self.ptx_coef > 0 and not self.ptx_dataset:
+            die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
+        if self.ptx_max_length is not None and self.ptx_max_length < 2:
+            die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {self.ptx_max_length}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+        if self.use_peft and self.lora_r < 1:
+            die(f"--lora_r must be at least 1, got {self.lora_r}")
+        if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
+            if not self.hub_model_id:
+                die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
+            if not self.save_model:
+                die("--push_to_hub uploads the saved model; drop --no_save_model")
+            try:
+                from huggingface_hub.utils import validate_repo_id
+            except ImportError:
+                die("--push_to_hub needs the huggingface_hub package: pip install huggingface_hub")
+            try:
+                validate_repo_id(self.hub_model_id)
+            except ValueError as e:
+                die(f"--hub_model_id {self.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1128,25 +1253,6 @@ HUB_IGNORE = ["checkpoint-*", "runs/*", "wandb_id", "*.tmp", "completions.jsonl"
 # the metrics a model card lists: a script's own diagnostics (clip fractions, ratios, losses) stay in metrics.jsonl
 CARD_METRICS = ("episode", "reward", "kl", "val/response_length", "completions/mean_length")
 CARD_PREFIXES = ("objective/", "rewards/", "eval/")
-
-
-def check_hub_args(args):
-    """--push_to_hub needs --hub_model_id (a valid repo id), a saved model and the huggingface_hub package: one line
-    otherwise, right after parsing."""
-    if not args.push_to_hub:
-        return
-    if not args.hub_model_id:
-        die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
-    if not args.save_model:
-        die("--push_to_hub uploads the saved model; drop --no_save_model")
-    try:
-        from huggingface_hub.utils import validate_repo_id
-    except ImportError:
-        die("--push_to_hub needs the huggingface_hub package: pip install huggingface_hub")
-    try:
-        validate_repo_id(args.hub_model_id)
-    except ValueError as e:
-        die(f"--hub_model_id {args.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
 
 
 def is_hub_id(name):

@@ -208,15 +208,16 @@ def test_card_metadata_metrics_and_launcher(tmp_path, monkeypatch):
     ],
 )
 def test_check_hub_args(changes, expected, monkeypatch):
+    """The hub flags are checked as the arguments are parsed (RunArgs.__post_init__)."""
     if changes.pop("no_hub", False):
         monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as if it were not installed
         monkeypatch.setitem(sys.modules, "huggingface_hub.utils", None)
-    args = SimpleNamespace(**{"push_to_hub": True, "hub_model_id": None, "save_model": True, **changes})
+    args = {"push_to_hub": True, "hub_model_id": None, "save_model": True, **changes}
     if expected is None:
-        utils.check_hub_args(args)
+        utils.RunArgs(**args)
     else:
         with pytest.raises(SystemExit, match="^error: " + expected.replace("(", r"\(")):
-            utils.check_hub_args(args)
+            utils.RunArgs(**args)
 
 
 RUN_ALL = """
