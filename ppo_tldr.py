@@ -168,18 +168,10 @@ class Args(RunArgs):
     """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """reward functions besides the reward model: 'sentiment', 'accuracy', 'path/to/file.py:function' or
-    'package.module:function', called as fn(prompts, completions, **columns); repeatable"""
-    reward_url: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
-    """reward servers besides the reward model: POST {"prompts", "completions", <columns>} -> {"rewards": [...]}
-    (README); repeatable"""
+    'package.module:function', called as fn(prompts, completions, **columns) (examples/reward_server.py asks an HTTP
+    server); repeatable"""
     reward_weights: tuple[float, ...] = ()
-    """one weight per reward source, in the order: the reward model, functions, servers (each as given); default all 1"""
-    reward_url_batch_size: int = 64
-    """completions per request to a reward server"""
-    reward_url_timeout: float = 60.0
-    """seconds before a reward-server request counts as failed"""
-    reward_url_retries: int = 3
-    """extra attempts for a failed reward-server request, after 1, 2, 4, ... seconds"""
+    """one weight per reward source, in the order: the reward model, then functions (each as given); default all 1"""
     dataset_name: str = "trl-lib/tldr"
     """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
     dataset_split: str = "train"
@@ -404,7 +396,7 @@ if __name__ == "__main__":
         long_prompts=args.eval_long_prompts,
     )
     eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
-    # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), functions, servers
+    # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), then functions
     sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=[args.reward_model_path])
     ptx_texts = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # end copy
@@ -658,7 +650,7 @@ if __name__ == "__main__":
 
                 # copy: score a chunk
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
-                # last real token, functions and servers the decoded text and the rows' dataset columns
+                # last real token, functions the decoded text and the rows' dataset columns
                 per_source.append(
                     get_scores(
                         sources,

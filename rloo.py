@@ -131,18 +131,10 @@ class Args(RunArgs):
     """a sequence-classification reward model (num_labels=1); repeat the flag for several"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """'sentiment' (VADER score of the completion), 'accuracy' (1 if the completion's last number equals the `answer`
-    column), 'path/to/file.py:function' or 'package.module:function', called as fn(prompts, completions, **columns);
-    repeat the flag for several. With no reward source at all: sentiment"""
-    reward_url: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
-    """a reward server: POST {"prompts", "completions", <columns>} -> {"rewards": [...]} (README); repeatable"""
+    column), 'path/to/file.py:function' or 'package.module:function', called as fn(prompts, completions, **columns)
+    (examples/reward_server.py asks an HTTP server); repeat the flag for several. With no reward source at all: sentiment"""
     reward_weights: tuple[float, ...] = ()
-    """one weight per reward source, in the order: reward models, functions, servers (each as given); default all 1"""
-    reward_url_batch_size: int = 64
-    """completions per request to a reward server"""
-    reward_url_timeout: float = 60.0
-    """seconds before a reward-server request counts as failed"""
-    reward_url_retries: int = 3
-    """extra attempts for a failed reward-server request, after 1, 2, 4, ... seconds"""
+    """one weight per reward source, in the order: reward models, then functions (each as given); default all 1"""
     dataset_name: str = PROMPTS
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
     dataset_split: str = "train"
@@ -289,7 +281,7 @@ if __name__ == "__main__":
         tokenizer=tokenizer,
         max_prompt_length=args.max_prompt_length,
     )
-    # the reward sources, in --reward_weights' order: reward models, functions, servers
+    # the reward sources, in --reward_weights' order: reward models, then functions
     sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
     ptx_texts = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # end copy
@@ -487,7 +479,7 @@ if __name__ == "__main__":
 
                 # copy: score a chunk
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
-                # last real token, functions and servers the decoded text and the rows' dataset columns
+                # last real token, functions the decoded text and the rows' dataset columns
                 per_source.append(
                     get_scores(
                         sources,

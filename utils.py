@@ -6,7 +6,6 @@ it; what one algorithm alone needs (baselines, advantages, losses) stays in its 
 """
 
 import copy
-import http.client
 import importlib
 import importlib.util
 import inspect
@@ -18,8 +17,6 @@ import re
 import shlex
 import sys
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
@@ -402,7 +399,7 @@ def left_pad(seqs, pad_token_id):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# rewards: reward models, functions and servers, summed with weights
+# rewards: reward models and functions, summed with weights
 
 
 def sentiment_reward(prompts, completions, **columns):
@@ -466,35 +463,6 @@ def call_reward_fn(fn, prompts, completions, columns):
     return fn(list(prompts), list(completions), **columns)
 
 
-def ask_reward_server(url, prompts, completions, columns, batch_size, timeout, retries):
-    """POST {"prompts", "completions", "<column>": [...]} to url in batches; each reply must be {"rewards": [number or
-    null, ...]}. A failed request is retried after 1, 2, 4, ... s; after the last retry the run stops with one line."""
-    rewards = []
-    for start in range(0, len(completions), batch_size):
-        end = start + batch_size
-        body = {"prompts": list(prompts[start:end]), "completions": list(completions[start:end])}
-        body.update({k: list(v[start:end]) for k, v in columns.items()})
-        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        for attempt in range(retries + 1):
-            try:
-                with urllib.request.urlopen(request, timeout=timeout) as response:
-                    reply = json.loads(response.read())
-                break
-            except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code}: {e.read(200).decode(errors='replace').strip()}"
-            except (OSError, http.client.HTTPException) as e:  # refused, unreachable, timed out, cut off
-                error = str(getattr(e, "reason", e)) or type(e).__name__
-            except ValueError:
-                error = "the reply is not JSON"
-            if attempt == retries:
-                die(f"reward server {url} failed {retries + 1} time(s); the last said: {error}")
-            time.sleep(2**attempt)
-        if not isinstance(reply, dict) or not isinstance(reply.get("rewards"), list):
-            die(f'reward server {url} must reply {{"rewards": [...]}}, got {str(reply)[:80]}')
-        rewards += check_rewards(reply["rewards"], len(body["completions"]), f"server {url}")
-    return rewards
-
-
 def check_rewards(values, n, source):
     """A source's rewards -> n floats or None ("cannot judge"), or one line naming the source and the bad value."""
     if torch.is_tensor(values) or isinstance(values, np.ndarray):
@@ -512,33 +480,18 @@ def check_rewards(values, n, source):
 
 
 def load_reward_sources(args, tokenizer, columns, reward_model_paths):
-    """The reward sources in --reward_weights' order: reward models, --reward_fn functions, --reward_url servers; none
-    given: `sentiment`. Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) +
-    "path", or "fn" + "spec", or "url"; names are the function's, or the model's or server's last path part. Every
-    flag is checked, and the functions loaded, before any reward model loads."""
+    """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given:
+    `sentiment`. Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or
+    "fn" + "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions
+    loaded, before any reward model loads."""
     from transformers import AutoModelForSequenceClassification
 
-    if args.reward_url_batch_size < 1 or args.reward_url_timeout <= 0 or args.reward_url_retries < 0:
-        die("--reward_url_batch_size must be >= 1, --reward_url_timeout positive and --reward_url_retries >= 0")
     models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
     fns = []
-    for spec in list(args.reward_fn) or ([] if reward_model_paths or args.reward_url else ["sentiment"]):
+    for spec in list(args.reward_fn) or ([] if reward_model_paths else ["sentiment"]):
         fn = load_reward_fn(spec, columns)
         fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
-    servers = []
-    for url in args.reward_url:
-        if not url.startswith(("http://", "https://")):
-            die(f"--reward_url {url!r} must start with http:// or https://")
-        servers.append(
-            {
-                "name": url.rstrip("/").rsplit("/", 1)[-1] or "server",
-                "url": url,
-                "batch_size": args.reward_url_batch_size,
-                "timeout": args.reward_url_timeout,
-                "retries": args.reward_url_retries,
-            }
-        )
-    sources = models + fns + servers
+    sources = models + fns
     if args.reward_weights and len(args.reward_weights) != len(sources):
         names = ", ".join(s["name"] for s in sources)
         die(f"--reward_weights has {len(args.reward_weights)} weights for {len(sources)} reward sources ({names})")
@@ -584,7 +537,7 @@ def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, cont
 
 def get_scores(sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id):
     """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
-    and servers the prompt texts, the decoded completions and the rows' other columns ({name: list})."""
+    the prompt texts, the decoded completions and the rows' other columns ({name: list})."""
     completions = None
     rows = []
     for source in sources:
@@ -603,19 +556,8 @@ def get_scores(sources, tokenizer, query_responses, mask, context_length, length
             continue
         if completions is None:
             completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-        if "fn" in source:
-            values = call_reward_fn(source["fn"], prompts, completions, columns)
-            values = check_rewards(values, len(completions), f"function {source['name']}")
-        else:
-            values = ask_reward_server(
-                source["url"],
-                prompts=prompts,
-                completions=completions,
-                columns=columns,
-                batch_size=source["batch_size"],
-                timeout=source["timeout"],
-                retries=source["retries"],
-            )
+        values = call_reward_fn(source["fn"], prompts, completions, columns)
+        values = check_rewards(values, len(completions), f"function {source['name']}")
         rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
     return torch.stack(rows)
 
@@ -1298,12 +1240,7 @@ def write_model_card(args, script, algorithm, doc, base_model, sources):
         "|-|-|-|",
     ]
     for source in sources:
-        if "model" in source:
-            kind = f"reward model `{source['path']}`"
-        elif "fn" in source:
-            kind = f"function `{source['spec']}`"
-        else:
-            kind = f"server `{source['url']}`"
+        kind = f"reward model `{source['path']}`" if "model" in source else f"function `{source['spec']}`"
         lines.append(f"| {source['name']} | {kind} | {source['weight']:g} |")
 
     # the latest value of each metric: the last row, and in the TL;DR scripts the last evaluation's too

@@ -147,7 +147,7 @@ def test_card_metadata_metrics_and_launcher(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sources = [
         {"name": "rm", "weight": 1.0, "path": "org/rm", "model": None},
-        {"name": "judge", "weight": -0.25, "url": "http://localhost:8000/judge"},
+        {"name": "judge", "weight": -0.25, "fn": None, "spec": "examples/reward_server.py:server"},
     ]
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(sys, "argv", ["ppo_tldr.py", "--reward_model_path", "org/rm", "--kl_coef", "0.1"])
@@ -167,7 +167,7 @@ def test_card_metadata_metrics_and_launcher(tmp_path, monkeypatch):
     assert "AutoPeftModelForCausalLM" in sections["Usage"]
     assert table(sections["Reward sources"]) == [
         ["rm", "reward model `org/rm`", "1"],
-        ["judge", "server `http://localhost:8000/judge`", "-0.25"],
+        ["judge", "function `examples/reward_server.py:server`", "-0.25"],
     ]
     # the latest value of each main key; loss/policy_avg is not one
     assert table(sections["Final metrics"]) == [

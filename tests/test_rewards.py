@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from conftest import REPO
 from test_rloo import check_ok, read_metrics
 
 REWARDS = """
@@ -194,16 +195,27 @@ def server_url():
     server.server_close()
 
 
+SERVERS = """
+import sys
+sys.path.insert(0, {examples!r})
+from reward_server import ask
+
+def slow(prompts, completions, **columns):
+    return ask({url!r} + "/slow", prompts, completions, columns, batch_size=3, timeout=1, retries=1)
+
+def null(prompts, completions, **columns):
+    return ask({url!r} + "/null", prompts, completions, columns, batch_size=3, timeout=1, retries=1)
+"""
+
+
 def test_reward_server_batches_retries_and_nulls(run, tmp_path, tiny_model_dir, columns_data, server_url):
-    """--reward_url: batches of --reward_url_batch_size with the prompts, completions and columns; a request that
-    times out is retried; null is "cannot judge"; the rewards come back in order."""
+    """examples/reward_server.py's ask(), one reward function per server: batches of 3 with the prompts, completions
+    and columns; a request that times out is retried; null is "cannot judge"; the rewards come back in order."""
     data, rows = columns_data
     out = tmp_path / "out"
-    extra = (
-        f"--rloo_k 4 --reward_url {server_url}/slow --reward_url {server_url}/null --reward_url_batch_size 3"
-        " --reward_url_timeout 1 --reward_url_retries 1 --num_sample_generations 0"
-    )
-    check_ok(run(command("ppo.py", tiny_model_dir, data, out, extra.replace("--rloo_k 4 ", "")), tmp_path))
+    (tmp_path / "servers.py").write_text(SERVERS.format(examples=os.path.join(REPO, "examples"), url=server_url))
+    extra = f"--reward_fn {tmp_path}/servers.py:slow --reward_fn {tmp_path}/servers.py:null --num_sample_generations 0"
+    check_ok(run(command("ppo.py", tiny_model_dir, data, out, extra), tmp_path))
     logged = read_completions(out)
     for r in logged:
         expected = len(r["completion"]) + rows[r["prompt"]]["target"]
@@ -231,11 +243,14 @@ def test_reward_server_batches_retries_and_nulls(run, tmp_path, tiny_model_dir, 
     ],
 )
 def test_reward_server_failures_stop_the_run_with_one_line(
-    path, message, run, tmp_path, tiny_model_dir, columns_data, server_url
+    path, message, run, tmp_path, tiny_model_dir, columns_data, server_url, monkeypatch
 ):
+    """examples/reward_server.py:server, configured by the environment, as the README runs it."""
     data, _ = columns_data
     out = tmp_path / "out"
-    extra = f"--rloo_k 4 --reward_url {server_url}/{path} --reward_url_batch_size 3 --reward_url_retries 1"
+    for name, value in [("REWARD_URL", f"{server_url}/{path}"), ("REWARD_BATCH_SIZE", "3"), ("REWARD_RETRIES", "1")]:
+        monkeypatch.setenv(name, value)
+    extra = f"--rloo_k 4 --reward_fn {os.path.join(REPO, 'examples', 'reward_server.py')}:server"
     proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
@@ -248,15 +263,16 @@ def test_reward_server_failures_stop_the_run_with_one_line(
     "extra, message",
     [
         ("--reward_fn sentiment --reward_weights 1 2", "--reward_weights has 2 weights for 1 reward sources (sentiment)"),
-        ("--reward_url localhost:8000", "must start with http:// or https://"),
+        ("--reward_fn {server}", "REWARD_URL 'localhost:8000' must start with http:// or https://"),
         ("--reward_fn {tmp}/rewards.py:needs_answer", "needs the dataset column(s) ['answer']"),
         ("--reward_fn accuracy", "needs the dataset column(s) ['answer']"),
         ("--reward_fn {tmp}/rewards.py:bad", "returned inf; NaN or inf is not a reward"),
         ("--reward_fn {tmp}/rewards.py:words", "must return a list of numbers (or None), got 'good'"),
     ],
 )
-def test_bad_reward_input_is_one_line(extra, message, run, tmp_path, tiny_model_dir, columns_data):
+def test_bad_reward_input_is_one_line(extra, message, run, tmp_path, tiny_model_dir, columns_data, monkeypatch):
     data, _ = columns_data
+    monkeypatch.setenv("REWARD_URL", "localhost:8000")  # read by examples/reward_server.py only
     with open(tmp_path / "rewards.py", "a") as f:
         f.write(
             "\ndef needs_answer(prompts, completions, answer):\n    return answer\n"
@@ -264,7 +280,9 @@ def test_bad_reward_input_is_one_line(extra, message, run, tmp_path, tiny_model_
             "\ndef words(prompts, completions):\n    return ['good'] * len(completions)\n"
         )
     out = tmp_path / "out"
-    proc = run(command("rloo.py", tiny_model_dir, data, out, "--rloo_k 4 " + extra.format(tmp=tmp_path)), tmp_path)
+    server = os.path.join(REPO, "examples", "reward_server.py") + ":server"
+    extra = "--rloo_k 4 " + extra.format(tmp=tmp_path, server=server)
+    proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and message in last, proc.stderr[-2000:]
@@ -277,8 +295,6 @@ def test_the_arithmetic_task_is_what_it_says(tmp_path):
     writes them (rebuilt into a temporary file, the same; the shipped file is never written)."""
     import subprocess
     import sys
-
-    from conftest import REPO
 
     path = os.path.join(REPO, "data", "arithmetic.jsonl")
     before = os.stat(path).st_mtime_ns

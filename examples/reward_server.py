@@ -1,0 +1,66 @@
+"""A reward function that asks an HTTP server for the rewards: a reward model served elsewhere, a judge, a sandbox.
+
+    REWARD_URL=http://localhost:8000/score python rloo.py --reward_fn examples/reward_server.py:server
+
+The protocol: POST {"prompts": [...], "completions": [...], "<column>": [...]} (each dataset column of the rows) in
+batches of REWARD_BATCH_SIZE completions (default 64); the reply must be {"rewards": [number or null, ...]}, one per
+completion, null meaning "cannot judge". A failed request waits at most REWARD_TIMEOUT seconds (default 60) and is sent
+again up to REWARD_RETRIES times (default 3), after 1, 2, 4, ... seconds; then the run stops with one line.
+
+For several servers, write a function per server that calls ask() (each is a reward source of its own):
+
+    from reward_server import ask  # with this folder on sys.path, or the file copied beside yours
+
+    def judge(prompts, completions, **columns):
+        return ask("http://judge:8000/score", prompts, completions, columns)
+"""
+
+import http.client
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+URL = os.environ.get("REWARD_URL")
+if URL is not None and not URL.startswith(("http://", "https://")):  # checked as the scripts load the function
+    raise SystemExit(f"error: REWARD_URL {URL!r} must start with http:// or https://")
+
+
+def ask(url, prompts, completions, columns, batch_size=64, timeout=60.0, retries=3):
+    """The rewards of completions from the server at url, in batches, each request retried after 1, 2, 4, ... s."""
+    rewards = []
+    for start in range(0, len(completions), batch_size):
+        end = start + batch_size
+        body = {"prompts": list(prompts[start:end]), "completions": list(completions[start:end])}
+        body.update({name: list(values[start:end]) for name, values in columns.items()})
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        for attempt in range(retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    reply = json.loads(response.read())
+                break
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read(200).decode(errors='replace').strip()}"
+            except (OSError, http.client.HTTPException) as e:  # refused, unreachable, timed out, cut off
+                error = str(getattr(e, "reason", e)) or type(e).__name__
+            except ValueError:
+                error = "the reply is not JSON"
+            if attempt == retries:
+                raise SystemExit(f"error: reward server {url} failed {retries + 1} time(s); the last said: {error}")
+            time.sleep(2**attempt)
+        if not isinstance(reply, dict) or not isinstance(reply.get("rewards"), list):
+            raise SystemExit(f'error: reward server {url} must reply {{"rewards": [...]}}, got {str(reply)[:80]}')
+        if len(reply["rewards"]) != len(body["completions"]):
+            n, got = len(body["completions"]), len(reply["rewards"])
+            raise SystemExit(f"error: reward server {url} returned {got} scores for {n} completions")
+        rewards += reply["rewards"]
+    return rewards
+
+
+def server(prompts, completions, **columns):
+    """The server at REWARD_URL, with REWARD_BATCH_SIZE, REWARD_TIMEOUT and REWARD_RETRIES from the environment."""
+    if URL is None:
+        raise SystemExit("error: examples/reward_server.py:server needs REWARD_URL, e.g. REWARD_URL=http://localhost:8000")
+    batch_size, timeout = int(os.environ.get("REWARD_BATCH_SIZE", 64)), float(os.environ.get("REWARD_TIMEOUT", 60))
+    return ask(URL, prompts, completions, columns, batch_size, timeout, retries=int(os.environ.get("REWARD_RETRIES", 3)))
