@@ -54,8 +54,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from utils import (
-    RunArgs,
     INVALID_LOGPROB,
+    RunArgs,
     Shuffled,
     check_accelerate_config,
     check_model,

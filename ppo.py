@@ -41,9 +41,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import (
-    RunArgs,
     INVALID_LOGPROB,
     PolicyAndValue,
+    RunArgs,
     Shuffled,
     check_accelerate_config,
     check_model,

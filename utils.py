@@ -6,6 +6,7 @@ it; what one algorithm alone needs (baselines, advantages, losses) stays in its 
 """
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -16,9 +17,8 @@ import os
 import re
 import shlex
 import sys
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -47,7 +47,7 @@ class RunArgs:
     --help."""
 
     # experiment
-    exp_name: str = field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
+    exp_name: str = dataclasses.field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""
