@@ -97,7 +97,7 @@ ALGORITHM = "GRPO"
 
 
 @dataclass
-class Args(RunArgs):
+class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
     # algorithm
     num_generations: int = 4
     """the number of completions sampled per prompt (k; TRL's default is 8)"""

@@ -88,7 +88,7 @@ ALGORITHM = "PPO"
 
 
 @dataclass
-class Args(RunArgs):
+class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
     # algorithm
     # copy: ppo algorithm
     kl_coef: float = 0.05

@@ -86,7 +86,7 @@ ALGORITHM = "RLOO"
 
 
 @dataclass
-class Args(RunArgs):
+class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
     # algorithm
     rloo_k: int = 2
     """the number of completions sampled per prompt"""
