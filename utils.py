@@ -1,5 +1,6 @@
-"""The method the scripts share: loading the models and prompts, reward sources and scoring, the forward passes,
-sampling, logprobs and the exact KL, the KL estimators, masked statistics, TRL's score scaling and the value head.
+"""The method the scripts share: the flags every script takes (RunArgs), loading the models and prompts, reward sources
+and scoring, the forward passes, sampling, logprobs and the exact KL, the KL estimators, masked statistics, TRL's score
+scaling and the value head.
 
 Plumbing (checkpoints, logs, the model card, the hub, the EMA) is written in the scripts, with the library made for
 it; what one algorithm alone needs (baselines, advantages, losses) stays in its script.

@@ -23,6 +23,8 @@ import urllib.error
 import urllib.request
 
 URL = os.environ.get("REWARD_URL")
+BATCH_SIZE, TIMEOUT = int(os.environ.get("REWARD_BATCH_SIZE", 64)), float(os.environ.get("REWARD_TIMEOUT", 60))
+RETRIES = int(os.environ.get("REWARD_RETRIES", 3))
 if URL is not None and not URL.startswith(("http://", "https://")):  # checked as the scripts load the function
     raise SystemExit(f"error: REWARD_URL {URL!r} must start with http:// or https://")
 
@@ -59,8 +61,7 @@ def ask(url, prompts, completions, columns, batch_size=64, timeout=60.0, retries
 
 
 def server(prompts, completions, **columns):
-    """The server at REWARD_URL, with REWARD_BATCH_SIZE, REWARD_TIMEOUT and REWARD_RETRIES from the environment."""
+    """The server at REWARD_URL, with REWARD_BATCH_SIZE, REWARD_TIMEOUT and REWARD_RETRIES (read as the file loads)."""
     if URL is None:
         raise SystemExit("error: examples/reward_server.py:server needs REWARD_URL, e.g. REWARD_URL=http://localhost:8000")
-    batch_size, timeout = int(os.environ.get("REWARD_BATCH_SIZE", 64)), float(os.environ.get("REWARD_TIMEOUT", 60))
-    return ask(URL, prompts, completions, columns, batch_size, timeout, retries=int(os.environ.get("REWARD_RETRIES", 3)))
+    return ask(URL, prompts, completions, columns, batch_size=BATCH_SIZE, timeout=TIMEOUT, retries=RETRIES)
