@@ -18,77 +18,28 @@ With a reward model and a hub dataset, on GPUs:
 """
 
 import copy
-import glob
-import json
 import os
-import random
-import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Optional
 
-import numpy as np
 import torch
 import tyro
-from accelerate import Accelerator
-from rich.pretty import pprint
 from safetensors.torch import save_file
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from utils import (
-    INVALID_LOGPROB,
-    PolicyAndValue,
-    RunArgs,
-    Shuffled,
-    check_accelerate_config,
-    check_model,
-    die,
-    disable_dropout,
-    forward,
-    full_kl,
-    generate,
-    get_scores,
-    init_value_head,
-    kl_estimate,
-    left_pad,
-    lm_loss,
-    load_pretrained,
-    load_prompts,
-    load_ptx,
-    load_reward_sources,
-    load_tokenizer,
-    logprobs_from_logits,
-    masked_mean,
-    masked_whiten,
-    moments_std,
-    new_moments,
-    pad_cat,
-    prepare_frozen,
-    print_samples,
-    process_group_kwargs,
-    ptx_batch,
-    push_to_hub,
-    reference_model,
-    reward_stats,
-    transform_scores,
-    truncate_response,
-    weighted_scores,
-    write_completions,
-    write_model_card,
-    zero3,
-)
+import infra
+import utils
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
 ALGORITHM = "PPO"
 
 
 @dataclass
-class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
+class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
     # algorithm
     # copy: ppo algorithm
     kl_coef: float = 0.05
@@ -198,16 +149,6 @@ class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed,
     """prompts per update on each process (one completion each)"""
 
 
-# copy: resumable
-# flags a resumed run may change: they do not change what the run computes
-RESUMABLE = {
-    "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
-    "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private",
-}  # fmt: skip
-# end copy
-
-
 # copy: ppo functions
 def place_scores(non_score_reward, scores, lengths, score_position):
     """Per-token rewards (batch, width): the KL part on every token plus the score on one token per row.
@@ -243,8 +184,8 @@ def value_loss(vpred, values, returns, mask, cliprange_value):
     vpredclipped = values + torch.clamp(vpred - values, -cliprange_value, cliprange_value)
     vf_losses1 = (vpred - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
-    return loss, masked_mean((vf_losses2 > vf_losses1).float(), mask)
+    loss = 0.5 * utils.masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    return loss, utils.masked_mean((vf_losses2 > vf_losses1).float(), mask)
 
 
 def adaptive_kl_coef(kl_coef, kl, kl_target, kl_horizon, n_steps):
@@ -271,101 +212,45 @@ class KLCoef:
 
 
 if __name__ == "__main__":
-    # copy: setup
     args = tyro.cli(Args, use_underscores=True)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision="bf16" if args.bf16 else None,
-        kwargs_handlers=process_group_kwargs(),
-    )
-    check_accelerate_config(
-        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
-    )
-    args.distributed_type = accelerator.distributed_type.value
-    args.world_size = accelerator.num_processes
-    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1 or args.total_episodes % args.batch_size:
-        below = args.num_updates * args.batch_size
-        die(
-            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
-            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
-            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
-        )
-    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
-        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
-    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
-        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
-    if args.use_score_norm and not args.use_score_scaling:
-        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
-    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
-        die("--score_clip and --ratio_threshold must be positive")
-    # every process would need the whole policy to average it
-    if args.ema_beta is not None and zero3(accelerator):
-        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
-    if zero3(accelerator) and args.use_peft:
-        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
-    # end copy
+    accelerator = infra.setup(args)  # the processes, the batch sizes (into args), the shared flags' checks, seeding
 
     # copy: ppo checks
     # k1 sums to the sequence log-ratio, unbiased in the reward; in the loss E_p[grad log p] = 0 leaves it no gradient
     if args.kl_estimator is None:
         args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
     if args.kl_penalty == "loss" and args.kl_estimator == "k1":
-        die("--kl_penalty loss needs --kl_estimator k2 or k3 (or abs): k1's gradient is zero in expectation")
+        utils.die("--kl_penalty loss needs --kl_estimator k2 or k3 (or abs): k1's gradient is zero in expectation")
     if args.kl_penalty == "loss" and args.kl_estimator == "full":
         # the update would need the reference's logits too; k2's gradient is the exact KL's in expectation anyway
-        die("--kl_penalty loss cannot use --kl_estimator full (it needs the reference's logits); use k2 (the same gradient)")
+        utils.die(
+            "--kl_penalty loss cannot use --kl_estimator full (it needs the reference's logits); use k2 (the same gradient)"
+        )
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_horizon <= 0):
-        die("--kl_target and --kl_horizon must be positive")
+        utils.die("--kl_target and --kl_horizon must be positive")
     if args.value_head_shared and args.value_model_path:
-        die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
+        utils.die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
     if not 0 <= args.critic_warmup_updates < args.num_updates:
-        die(f"--critic_warmup_updates must be >= 0 and below the run's {args.num_updates} updates, or the policy never trains")
+        utils.die(
+            f"--critic_warmup_updates must be >= 0 and below the run's {args.num_updates} updates, or the policy never trains"
+        )
     if args.critic_warmup_updates and args.value_head_shared:
-        die("--critic_warmup_updates needs a separate critic: with --value_head_shared the value loss trains the policy")
+        utils.die("--critic_warmup_updates needs a separate critic: with --value_head_shared the value loss trains the policy")
     k = 1  # PPO: one completion per prompt (rloo.py's prompt draw with k = 1)
     args.local_prompts = args.local_batch_size
     # end copy
 
-    # copy: output_dir and resume
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    args.output_dir = args.output_dir or os.path.join("output", run_name)
-    # a checkpoint is a folder checkpoint-NNNNNNN: complete, since it is written as .tmp and renamed
-    checkpoints = sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))
-    if args.resume and not checkpoints:
-        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
-    if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
-        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
-    if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
-        with open(os.path.join(args.output_dir, "args.json")) as f:
-            saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)
-        changed = [key for key in now if key not in RESUMABLE and key in saved and saved[key] != now[key]]
-        if changed:
-            changes = ", ".join(f"{key} {saved[key]} -> {now[key]}" for key in changed)
-            die(f"--resume with arguments that change the run: {changes}")
-    # end copy
-
-    # copy: seeding
-    # a stream of its own on each process (mini-batch shuffles); the prompts and the sampling noise come from a
-    # generator every process shares (below)
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
+    run_name = infra.open_output_dir(args)  # refuses a --resume that would change the run
     device = accelerator.device
-    # end copy
 
     # copy: tokenizer, prompts and rewards
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tokenizer = infra.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     stop_token_id = args.stop_token_id
     if stop_token_id is None and args.stop_token == "eos":
         stop_token_id = tokenizer.eos_token_id
         if stop_token_id is None:
-            die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-    queries_all, prompt_texts, _, columns = load_prompts(
+            utils.die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+    queries_all, prompt_texts, _, columns = infra.load_prompts(
         dataset_name=args.dataset_name,
         split=args.dataset_split,
         prompt_field=args.prompt_field,
@@ -373,23 +258,23 @@ if __name__ == "__main__":
         max_prompt_length=args.max_prompt_length,
     )
     # the reward sources, in --reward_weights' order: reward models, then functions
-    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
-    ptx_texts = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
+    sources = infra.load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
+    ptx_texts = infra.load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # end copy
 
     # copy: policy, reference and critic
-    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    policy = infra.load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     # PPO: the critic starts from --value_model_path, else as the N+ details study from the (first) reward model if it
     # reads the policy's tokens, else from the policy's trunk with a new head; none with --value_head_shared
     rm_critic = not args.value_model_path and "model" in sources[0] and sources[0]["tokenizer"] is None
     # a family the scripts cannot run (or whose trunk cannot carry a critic) stops here, with one line
-    check_model(policy, critic=not (args.value_head_shared or args.value_model_path or rm_critic))
+    utils.check_model(policy, critic=not (args.value_head_shared or args.value_model_path or rm_critic))
     # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
     # weights are sharded as they load, so the reference is loaded anew rather than copied
     if args.use_peft:
         ref_policy = None
-    elif zero3(accelerator):
-        ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    elif infra.zero3(accelerator):
+        ref_policy = infra.load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
     if ref_policy is not None:
@@ -398,15 +283,15 @@ if __name__ == "__main__":
     # anew, as the reference)
     critic = None
     if args.value_model_path:
-        critic = load_pretrained(AutoModelForSequenceClassification, args.value_model_path, args.trust_remote_code)
+        critic = infra.load_pretrained(AutoModelForSequenceClassification, args.value_model_path, args.trust_remote_code)
     elif not args.value_head_shared and rm_critic:
-        if zero3(accelerator):
-            critic = load_pretrained(AutoModelForSequenceClassification, sources[0]["path"], args.trust_remote_code)
+        if infra.zero3(accelerator):
+            critic = infra.load_pretrained(AutoModelForSequenceClassification, sources[0]["path"], args.trust_remote_code)
         else:
             critic = copy.deepcopy(sources[0]["model"]).requires_grad_(True)
     elif not args.value_head_shared:
-        if zero3(accelerator):
-            critic = load_pretrained(
+        if infra.zero3(accelerator):
+            critic = infra.load_pretrained(
                 AutoModelForSequenceClassification, args.model_name_or_path, args.trust_remote_code, num_labels=1
             )
         else:
@@ -414,46 +299,43 @@ if __name__ == "__main__":
             config.num_labels = 1
             critic = AutoModelForSequenceClassification.from_config(config)
             getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
-        init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
+        utils.init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
     if critic is not None and critic.config.num_labels != 1:
-        die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
+        utils.die(f"value model {args.value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     if args.use_peft:  # after the critic took a copy of the trunk
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            die("--use_peft needs the peft package: pip install peft")
+            utils.die("--use_peft needs the peft package: pip install peft")
         policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
     # one module, so that one optimiser and one DDP or DeepSpeed wrapper hold both; no dropout: the sampling policy and
     # the one being trained must be the same function
-    model = PolicyAndValue(policy, critic, args.seed).eval()
+    model = utils.PolicyAndValue(policy, critic, args.seed).eval()
     if args.gradient_checkpointing:
         # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
-        disable_dropout(model)
+        utils.disable_dropout(model)
         for module in (policy, critic):
             if module is not None:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # end copy
 
     # copy: ppo optimiser and state
-    if accelerator.is_main_process:
-        pprint(args)
-        os.makedirs(args.output_dir, exist_ok=True)
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters and the critic
     # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU), as transformers' Trainer
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
-    ref_policy = prepare_frozen(accelerator, ref_policy)
+    ref_policy = infra.prepare_frozen(accelerator, ref_policy)
     for source in sources:
         if "model" in source:
-            source["model"] = prepare_frozen(accelerator, source["model"])
+            source["model"] = infra.prepare_frozen(accelerator, source["model"])
     # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its own
     # slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own, so the
     # prompts are the same with or without them. accelerate's checkpoints hold every object registered here
-    data = Shuffled(len(queries_all), args.seed)
+    data = infra.Shuffled(len(queries_all), args.seed)
     accelerator.register_for_checkpointing(data)
     if ptx_texts is not None:
-        ptx_stream = Shuffled(len(ptx_texts), args.seed)
+        ptx_stream = infra.Shuffled(len(ptx_texts), args.seed)
         accelerator.register_for_checkpointing(ptx_stream)
     ema = None
     if args.ema_beta is not None:  # LightRFT: an exponential moving average of the policy's weights (not the critic's)
@@ -467,62 +349,16 @@ if __name__ == "__main__":
     kl_coef = KLCoef(args.kl_coef)
     accelerator.register_for_checkpointing(kl_coef)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
-    score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
+    score_moments = utils.new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:  # the weights, optimiser, every process's random state and the objects above, then the counters
-        last_checkpoint = checkpoints[-1]
-        accelerator.load_state(last_checkpoint)
-        state = torch.load(os.path.join(last_checkpoint, "state.pt"), weights_only=True)
+        state = infra.resume(accelerator, args)
         score_moments, start_update, episode = state["score_moments"], state["update"] + 1, state["episode"]
-        if accelerator.is_main_process:  # the rows past the checkpoint (and a torn one) go: they are written again
-            for name in ["metrics.jsonl", "completions.jsonl"]:
-                path = os.path.join(args.output_dir, name)
-                if os.path.exists(path):
-                    with open(path) as f:
-                        rows = []
-                        for line in f:
-                            if not line.endswith("\n") or json.loads(line)["episode"] > episode:
-                                break
-                            rows.append(line)
-                    with open(path + ".tmp", "w") as f:
-                        f.writelines(rows)
-                    os.replace(path + ".tmp", path)
-            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+        last_checkpoint = state["checkpoint"]
     # end copy
 
-    # copy: logs
-    # TensorBoard under output_dir (a resumed run drops what the killed one logged past its checkpoint), and with
-    # --track wandb synced from it, resuming the run whose id is in output_dir/wandb_id
-    writer = None
-    if accelerator.is_main_process:
-        if not args.resume:
-            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-                json.dump(vars(args), f, indent=1)
-        if args.track:
-            import wandb
-
-            id_file = os.path.join(args.output_dir, "wandb_id")
-            # (secrets, not random: the run's random streams stay as seeded)
-            run_id = open(id_file).read().strip() if args.resume and os.path.exists(id_file) else secrets.token_hex(8)
-            with open(id_file, "w") as f:
-                f.write(run_id)
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=run_name,
-                id=run_id,
-                resume="allow",
-                save_code=True,
-            )
-        writer = SummaryWriter(os.path.join(args.output_dir, "runs"), purge_step=episode + 1 if args.resume else None)
-        if not args.resume:
-            writer.add_text(
-                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-            )
+    writer = infra.open_logs(accelerator, args, run_name, episode)  # args.json, TensorBoard and wandb
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    # end copy
 
     # copy: ppo loop
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -553,7 +389,7 @@ if __name__ == "__main__":
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
         idx = idx[mine]
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
-        queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
         # so the forward passes can run each prompt once (utils.forward_grouped)
         queries = queries.repeat_interleave(k, 0).to(device)
@@ -572,7 +408,7 @@ if __name__ == "__main__":
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                response = generate(
+                response = utils.generate(
                     model=unwrapped.policy,
                     queries=query,
                     query_mask=qmask,
@@ -580,33 +416,33 @@ if __name__ == "__main__":
                     temperature=args.temperature,
                     stop_token_id=stop_token_id,
                     uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
-                    synced=zero3(accelerator),
+                    synced=infra.zero3(accelerator),
                 )
 
                 # 1. truncate after the stop token; everything after it is padding
-                response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                response, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
                 # logprobs of the distribution sampled from (logits / temperature), and the critic's values
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logits = logits[:, :-1]
-                logprobs.append(logprobs_from_logits(logits, response, args.temperature))
+                logprobs.append(utils.logprobs_from_logits(logits, response, args.temperature))
                 # the value of the state before each response token, and one column more: a row that stops at the
                 # chunk's last column has there its value after EOS (the critic at the stop token; --score_position
                 # after_eos reads it)
                 values.append(value[:, context_length - 1 :])
-                with reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
-                    ref_logits = forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits[:, :-1]
-                ref_logprobs.append(logprobs_from_logits(ref_logits, response, args.temperature))
+                with utils.reference_model(unwrapped.policy, ref_policy) as ref:  # with LoRA, the policy without its adapters
+                    ref_logits = utils.forward(ref, query_response, mask, logits_to_keep=response.shape[1] + 1).logits[:, :-1]
+                ref_logprobs.append(utils.logprobs_from_logits(ref_logits, response, args.temperature))
                 if args.kl_estimator == "full":  # the exact KL, while both models' logits are at hand
-                    full_kls.append(full_kl(logits, ref_logits, args.temperature))
+                    full_kls.append(utils.full_kl(logits, ref_logits, args.temperature))
                 del logits, ref_logits  # (chunk, width, vocab) each: freed before the next chunk allocates its own
 
                 # copy: score a chunk
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
                 # last real token, functions the decoded text and the rows' dataset columns
                 per_source.append(
-                    get_scores(
+                    utils.get_scores(
                         sources,
                         tokenizer=tokenizer,
                         query_responses=query_response,
@@ -625,15 +461,15 @@ if __name__ == "__main__":
 
             # copy: gather the rollout
             # chunks may stop at different lengths: each padded to the longest
-            responses = pad_cat(responses, tokenizer.pad_token_id)
+            responses = utils.pad_cat(responses, tokenizer.pad_token_id)
             lengths, width = torch.cat(lengths), responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
-            logprobs = pad_cat(logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
+            logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
             query_responses = torch.cat([queries, responses], 1)
             attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
             # the weighted sum over the sources that scored each completion; one that none scored takes no part below
             per_source = torch.cat(per_source, 1)  # (sources, local batch)
-            scores, scored = weighted_scores(per_source, sources)
+            scores, scored = utils.weighted_scores(per_source, sources)
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
             # trainers did, so the reward still ranks them)
@@ -645,20 +481,20 @@ if __name__ == "__main__":
             # TRL's score scaling and clipping of the final score (the penalty included), of the scored completions;
             # the moments take this batch in before they scale it. objective/scores stays the unscaled score
             raw_scores = scores
-            scores, score_moments = transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
+            scores, score_moments = utils.transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
             # end copy
 
             # copy: ppo advantages
             # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
             # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
-            values = pad_cat(values, 0.0)[:, :width]
+            values = utils.pad_cat(values, 0.0)[:, :width]
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, in each token's reward
-            ref_logprobs = pad_cat(ref_logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
             if args.kl_estimator == "full":
-                kl = pad_cat(full_kls, 0.0).masked_fill(padding_mask, 0.0)
+                kl = utils.pad_cat(full_kls, 0.0).masked_fill(padding_mask, 0.0)
             else:
-                kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+                kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
             non_score_reward = -kl_coef.value * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
             # PPO: the score on one token (--score_position), the KL penalty on every token
             rewards, value_mask = place_scores(non_score_reward, scores, lengths, args.score_position)
@@ -667,12 +503,12 @@ if __name__ == "__main__":
             value_mask = value_mask & scored[:, None]
             train_mask = ~padding_mask & scored[:, None]
             if args.whiten_rewards:
-                rewards = masked_whiten(rewards, value_mask, False, reduce_sum).masked_fill(~value_mask, 0.0)
+                rewards = utils.masked_whiten(rewards, value_mask, False, reduce_sum).masked_fill(~value_mask, 0.0)
 
             # 4. advantages: GAE over real tokens, then whitened over those of all processes
             values = values.masked_fill(~value_mask, 0.0)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, train_mask, reduce=reduce_sum).masked_fill(~train_mask, 0.0)
+            advantages = utils.masked_whiten(advantages, train_mask, reduce=reduce_sum).masked_fill(~train_mask, 0.0)
             # end copy
 
         # copy: ppo update
@@ -698,10 +534,10 @@ if __name__ == "__main__":
                         logits, vpred = model(query_responses[micro_inds], attention_mask[micro_inds], width + 1)
                         logits = logits[:, :-1]
                         vpred = vpred[:, context_length - 1 : -1].masked_fill(~mb_value_mask, 0.0)
-                        new_logprobs, entropy = logprobs_from_logits(
+                        new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, responses[micro_inds], args.temperature, with_entropy=True
                         )
-                        new_logprobs = new_logprobs.masked_fill(~mb_mask, INVALID_LOGPROB)
+                        new_logprobs = new_logprobs.masked_fill(~mb_mask, utils.INVALID_LOGPROB)
 
                         # PPO: the per-token ratio, clipped; the critic's loss clipped around the rollout's values
                         logprobs_diff = new_logprobs - logprobs[micro_inds]
@@ -709,7 +545,7 @@ if __name__ == "__main__":
                         mb_advantage = advantages[micro_inds]
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
-                        pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mb_mask)
+                        pg_loss = utils.masked_mean(torch.max(pg_losses, pg_losses2), mb_mask)
                         vf_loss, vf_clipfrac = value_loss(
                             vpred,
                             values=values[micro_inds],
@@ -722,23 +558,23 @@ if __name__ == "__main__":
                         policy_weight = 0.0 if warmup else 1.0
                         loss = policy_weight * pg_loss + args.vf_coef * vf_loss
                         if args.kl_penalty == "loss":
-                            kl_loss = kl_estimate(new_logprobs, ref_logprobs[micro_inds], args.kl_estimator)
-                            loss = loss + policy_weight * kl_coef.value * masked_mean(kl_loss, mb_mask)
+                            kl_loss = utils.kl_estimate(new_logprobs, ref_logprobs[micro_inds], args.kl_estimator)
+                            loss = loss + policy_weight * kl_coef.value * utils.masked_mean(kl_loss, mb_mask)
 
                         if ptx_texts is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
-                            ptx_ids, ptx_mask = ptx_batch(
+                            ptx_ids, ptx_mask = infra.ptx_batch(
                                 ptx_texts, ptx_stream, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
                             )
                             # the policy's logits alone, through the wrapper that DDP or DeepSpeed runs
-                            ptx_loss = lm_loss(model(ptx_ids, ptx_mask, 0, policy_only=True), ptx_ids, ptx_mask)
+                            ptx_loss = utils.lm_loss(model(ptx_ids, ptx_mask, 0, policy_only=True), ptx_ids, ptx_mask)
                             loss = loss + policy_weight * args.ptx_coef * ptx_loss
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
                         if not torch.isfinite(loss):
-                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
+                            utils.die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient,
                         # to the critic either (whose loss reaches the policy's trunk with --value_head_shared); its
                         # backward still runs, so that every process takes part in each step
-                        skip = args.ratio_threshold is not None and masked_mean(ratio, mb_mask) > args.ratio_threshold
+                        skip = args.ratio_threshold is not None and utils.masked_mean(ratio, mb_mask) > args.ratio_threshold
                         accelerator.backward(loss * 0.0 if skip else loss)
                         if accelerator.sync_gradients:
                             if warmup and accelerator.state.deepspeed_plugin is None:
@@ -749,20 +585,20 @@ if __name__ == "__main__":
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                             # (None under DeepSpeed versions that clip inside their own step)
                             if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
-                                die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
+                                utils.die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
                         optimizer.step()
                         optimizer.zero_grad()
                         if ema is not None and accelerator.sync_gradients:  # after each optimiser step
                             ema.update_parameters(accelerator.unwrap_model(model).policy)
 
                         with torch.no_grad():
-                            approxkl_stats[epoch, mb, ga] = 0.5 * masked_mean(logprobs_diff**2, mb_mask)
-                            pg_clipfrac_stats[epoch, mb, ga] = masked_mean((pg_losses2 > pg_losses).float(), mb_mask)
+                            approxkl_stats[epoch, mb, ga] = 0.5 * utils.masked_mean(logprobs_diff**2, mb_mask)
+                            pg_clipfrac_stats[epoch, mb, ga] = utils.masked_mean((pg_losses2 > pg_losses).float(), mb_mask)
                             pg_loss_stats[epoch, mb, ga] = pg_loss
                             vf_loss_stats[epoch, mb, ga] = vf_loss
                             vf_clipfrac_stats[epoch, mb, ga] = vf_clipfrac
-                            entropy_stats[epoch, mb, ga] = masked_mean(entropy, mb_mask)
-                            ratio_stats[epoch, mb, ga] = masked_mean(ratio, mb_mask)
+                            entropy_stats[epoch, mb, ga] = utils.masked_mean(entropy, mb_mask)
+                            ratio_stats[epoch, mb, ga] = utils.masked_mean(ratio, mb_mask)
                             skipped_stats[epoch, mb, ga] = float(skip)
             # --target_kl: every process must agree to stop, so the decision uses the mean over processes
             if args.target_kl is not None:
@@ -787,7 +623,7 @@ if __name__ == "__main__":
                 "policy/entropy_avg": entropy_stats[done].mean(),
                 "val/ratio": ratio_stats[done].mean(),
                 "val/ratio_var": ratio_stats[done].var(unbiased=False),
-                "val/vpred": masked_mean(values, value_mask),
+                "val/vpred": utils.masked_mean(values, value_mask),
             }
             if ptx_texts is not None:
                 stats["loss/ptx"] = ptx_stats[done].mean()
@@ -799,14 +635,14 @@ if __name__ == "__main__":
         means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
         num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
-        source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
+        source_stats = infra.reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
         if args.use_score_scaling:  # the running moments this update's scores were scaled with
             metrics["objective/score_mean_running"] = score_moments["mean"]
-            metrics["objective/score_std_running"] = moments_std(score_moments)
+            metrics["objective/score_std_running"] = utils.moments_std(score_moments)
         if args.response_length_min is not None:
             metrics["completions/max_length_allowed"] = max_length
         # end copy
@@ -816,27 +652,23 @@ if __name__ == "__main__":
         metrics["objective/kl_coef"] = kl_coef.value
         if args.critic_warmup_updates:
             metrics["policy/critic_warmup"] = float(warmup)
-        completion_advantages = masked_mean(advantages, train_mask, dim=1)  # --log_completions: each completion's mean
+        completion_advantages = utils.masked_mean(advantages, train_mask, dim=1)  # --log_completions: each completion's mean
         # end copy
 
         # copy: write the metrics (advantages=advantages->advantages=completion_advantages)
-        if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, episode)
-            if sample_every and (update - 1) % sample_every == 0:
-                print_samples(
-                    f"update {update}",
-                    prompts=texts[:4],
-                    completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
-                    per_source=per_source,
-                    sources=sources,
-                    scores=raw_scores,
-                    scored=scored,
-                )
+        infra.log_metrics(accelerator, writer, args, metrics)
+        if accelerator.is_main_process and sample_every and (update - 1) % sample_every == 0:
+            infra.print_samples(
+                f"update {update}",
+                prompts=texts[:4],
+                completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
+                per_source=per_source,
+                sources=sources,
+                scores=raw_scores,
+                scored=scored,
+            )
         if args.log_completions:
-            write_completions(
+            infra.write_completions(
                 accelerator,
                 args,
                 episode=episode,
@@ -862,29 +694,11 @@ if __name__ == "__main__":
             )
         # end copy
 
-        # copy: checkpoint (policy->model)
-        # after the metrics row, so a resumed run never repeats or loses one; written whole to a .tmp folder (accelerate
-        # writes the weights, the optimiser, every process's random state, the registered streams, and under DeepSpeed
-        # each process's shards), then renamed
+        # after the metrics row, so that a resumed run neither repeats nor loses one; complete or absent (written,
+        # then renamed)
         if args.checkpoint_every and update % args.checkpoint_every == 0:
-            finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters())  # (ZeRO-3: shard)
-            if accelerator.reduce(torch.tensor(float(finite), device=device), reduction="sum") < args.world_size:
-                die(f"non-finite weights at update {update}; no checkpoint written")
-            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
-            if accelerator.is_main_process:
-                shutil.rmtree(last_checkpoint + ".tmp", ignore_errors=True)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(last_checkpoint + ".tmp")
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                state = {"update": update, "episode": episode, "score_moments": score_moments}
-                torch.save(state, os.path.join(last_checkpoint + ".tmp", "state.pt"))
-                shutil.rmtree(last_checkpoint, ignore_errors=True)
-                os.replace(last_checkpoint + ".tmp", last_checkpoint)
-                for old in sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))[: -args.keep_checkpoints]:
-                    shutil.rmtree(old, ignore_errors=True)
-            accelerator.wait_for_everyone()
-        # end copy
+            state = {"update": update, "episode": episode, "score_moments": score_moments}
+            last_checkpoint = infra.checkpoint(accelerator, model, args, update, state=state)
 
     # copy: ppo save
     if args.save_model:
@@ -914,31 +728,6 @@ if __name__ == "__main__":
             save_file(head, os.path.join(args.output_dir, "value_head.safetensors"))
     # end copy
 
-    # copy: save
-    # the average's weights in the trained policy's place (its training is over; there is no LoRA with an EMA, so
-    # `unwrapped` is the policy itself), saved alike
-    if args.save_model and ema is not None:
-        with torch.no_grad():
-            for p, average in zip(unwrapped.parameters(), ema.module.parameters()):
-                p.copy_(average)
-        unwrapped.save_pretrained(
-            os.path.join(args.output_dir, "ema"),
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-        )
-    if accelerator.is_main_process:
-        writer.close()
-        if args.save_model:
-            tokenizer.save_pretrained(args.output_dir)
-            if ema is not None:
-                tokenizer.save_pretrained(os.path.join(args.output_dir, "ema"))
-            write_model_card(
-                args, script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources
-            )
-        if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
-            push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
-    # every process leaves the process group together, once the main process has written everything: a two-process
-    # ZeRO-3 run sometimes aborted in the other process as it exited while the main one was still saving
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    # end copy
+    # the EMA, the tokenizer, the model card, the hub
+    card = dict(script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources)
+    infra.finish(accelerator, args, writer=writer, tokenizer=tokenizer, ema=ema, card=card)

@@ -16,73 +16,27 @@ With a reward model and a hub dataset, on GPUs:
 """
 
 import copy
-import glob
-import json
 import os
-import random
-import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Optional
 
-import numpy as np
 import torch
 import tyro
-from accelerate import Accelerator
-from rich.pretty import pprint
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from utils import (
-    INVALID_LOGPROB,
-    RunArgs,
-    Shuffled,
-    check_accelerate_config,
-    check_model,
-    die,
-    disable_dropout,
-    forward,
-    forward_grouped,
-    full_kl,
-    generate,
-    get_scores,
-    kl_estimate,
-    left_pad,
-    lm_loss,
-    load_pretrained,
-    load_prompts,
-    load_ptx,
-    load_reward_sources,
-    load_tokenizer,
-    logprobs_from_logits,
-    moments_std,
-    new_moments,
-    pad_cat,
-    prepare_frozen,
-    print_samples,
-    process_group_kwargs,
-    ptx_batch,
-    push_to_hub,
-    reference_model,
-    reward_stats,
-    transform_scores,
-    truncate_response,
-    weighted_scores,
-    write_completions,
-    write_model_card,
-    zero3,
-)
+import infra
+import utils
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
 ALGORITHM = "RLOO"
 
 
 @dataclass
-class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
+class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares (seed, outputs, LoRA, EMA, PTX)
     # algorithm
     rloo_k: int = 2
     """the number of completions sampled per prompt"""
@@ -164,16 +118,6 @@ class Args(RunArgs):  # RunArgs (utils.py): the flags every script shares (seed,
     """prompts per update on each process"""
 
 
-# copy: resumable
-# flags a resumed run may change: they do not change what the run computes
-RESUMABLE = {
-    "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
-    "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private",
-}  # fmt: skip
-# end copy
-
-
 # copy: rloo advantages
 def rloo_advantages(rlhf_reward, k, scored):
     """RLOO: each completion's reward minus the mean reward of the other k - 1 completions of its prompt.
@@ -192,89 +136,29 @@ def rloo_advantages(rlhf_reward, k, scored):
 
 
 if __name__ == "__main__":
-    # copy: setup
     args = tyro.cli(Args, use_underscores=True)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision="bf16" if args.bf16 else None,
-        kwargs_handlers=process_group_kwargs(),
-    )
-    check_accelerate_config(
-        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
-    )
-    args.distributed_type = accelerator.distributed_type.value
-    args.world_size = accelerator.num_processes
-    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1 or args.total_episodes % args.batch_size:
-        below = args.num_updates * args.batch_size
-        die(
-            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
-            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
-            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
-        )
-    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
-        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
-    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
-        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
-    if args.use_score_norm and not args.use_score_scaling:
-        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
-    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
-        die("--score_clip and --ratio_threshold must be positive")
-    # every process would need the whole policy to average it
-    if args.ema_beta is not None and zero3(accelerator):
-        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
-    if zero3(accelerator) and args.use_peft:
-        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
-    # end copy
+    accelerator = infra.setup(args)  # the processes, the batch sizes (into args), the shared flags' checks, seeding
     if args.rloo_k < 2:
-        die(f"--rloo_k must be at least 2 (the leave-one-out baseline needs another sample), got {args.rloo_k}")
+        utils.die(f"--rloo_k must be at least 2 (the leave-one-out baseline needs another sample), got {args.rloo_k}")
     if args.local_batch_size % args.rloo_k:
-        die(
+        utils.die(
             f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
             f"must be a multiple of --rloo_k {args.rloo_k}"
         )
     k = args.rloo_k  # completions per prompt
     args.local_prompts = args.local_batch_size // k
 
-    # copy: output_dir and resume
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    args.output_dir = args.output_dir or os.path.join("output", run_name)
-    # a checkpoint is a folder checkpoint-NNNNNNN: complete, since it is written as .tmp and renamed
-    checkpoints = sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))
-    if args.resume and not checkpoints:
-        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
-    if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
-        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
-    if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
-        with open(os.path.join(args.output_dir, "args.json")) as f:
-            saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)
-        changed = [key for key in now if key not in RESUMABLE and key in saved and saved[key] != now[key]]
-        if changed:
-            changes = ", ".join(f"{key} {saved[key]} -> {now[key]}" for key in changed)
-            die(f"--resume with arguments that change the run: {changes}")
-    # end copy
-
-    # copy: seeding
-    # a stream of its own on each process (mini-batch shuffles); the prompts and the sampling noise come from a
-    # generator every process shares (below)
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)
-    torch.manual_seed(local_seed)
+    run_name = infra.open_output_dir(args)  # refuses a --resume that would change the run
     device = accelerator.device
-    # end copy
 
     # copy: tokenizer, prompts and rewards
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tokenizer = infra.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     stop_token_id = args.stop_token_id
     if stop_token_id is None and args.stop_token == "eos":
         stop_token_id = tokenizer.eos_token_id
         if stop_token_id is None:
-            die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-    queries_all, prompt_texts, _, columns = load_prompts(
+            utils.die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+    queries_all, prompt_texts, _, columns = infra.load_prompts(
         dataset_name=args.dataset_name,
         split=args.dataset_split,
         prompt_field=args.prompt_field,
@@ -282,19 +166,19 @@ if __name__ == "__main__":
         max_prompt_length=args.max_prompt_length,
     )
     # the reward sources, in --reward_weights' order: reward models, then functions
-    sources = load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
-    ptx_texts = load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
+    sources = infra.load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
+    ptx_texts = infra.load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # end copy
 
     # copy: policy and reference
-    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
-    check_model(policy)  # a family the scripts cannot run stops here, with one line
+    policy = infra.load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    utils.check_model(policy)  # a family the scripts cannot run stops here, with one line
     # the frozen initial policy; none with LoRA (the policy with its adapters switched off). Under ZeRO-3 the
     # weights are sharded as they load, so the reference is loaded anew rather than copied
     if args.use_peft:
         ref_policy = None
-    elif zero3(accelerator):
-        ref_policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    elif infra.zero3(accelerator):
+        ref_policy = infra.load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     else:
         ref_policy = copy.deepcopy(policy)
     if ref_policy is not None:
@@ -303,35 +187,32 @@ if __name__ == "__main__":
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            die("--use_peft needs the peft package: pip install peft")
+            utils.die("--use_peft needs the peft package: pip install peft")
         policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
     policy.eval()  # no dropout: the sampling policy and the one being trained must be the same function
     if args.gradient_checkpointing:
         # Transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero
-        disable_dropout(policy)
+        utils.disable_dropout(policy)
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # end copy
 
     # copy: optimiser and state
-    if accelerator.is_main_process:
-        pprint(args)
-        os.makedirs(args.output_dir, exist_ok=True)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     # fused: one kernel updates every parameter (about 4x the default's speed on a 2-core CPU), as transformers' Trainer
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the frozen models on the device; under ZeRO-3 sharded over the processes as inference engines instead
-    ref_policy = prepare_frozen(accelerator, ref_policy)
+    ref_policy = infra.prepare_frozen(accelerator, ref_policy)
     for source in sources:
         if "model" in source:
-            source["model"] = prepare_frozen(accelerator, source["model"])
+            source["model"] = infra.prepare_frozen(accelerator, source["model"])
     # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its own
     # slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own, so the
     # prompts are the same with or without them
-    data = Shuffled(len(queries_all), args.seed)
+    data = infra.Shuffled(len(queries_all), args.seed)
     accelerator.register_for_checkpointing(data)
     if ptx_texts is not None:
-        ptx_stream = Shuffled(len(ptx_texts), args.seed)
+        ptx_stream = infra.Shuffled(len(ptx_texts), args.seed)
         accelerator.register_for_checkpointing(ptx_stream)
     ema = None
     if args.ema_beta is not None:  # LightRFT: an exponential moving average of the weights, after each optimiser step
@@ -343,62 +224,16 @@ if __name__ == "__main__":
         ema.update_parameters(accelerator.unwrap_model(policy))  # the first call copies: the average starts here
         accelerator.register_for_checkpointing(ema)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
-    score_moments = new_moments()  # --use_score_scaling: every score so far, on all processes
+    score_moments = utils.new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
-    if args.resume:  # the weights, optimiser, every process's random state and the streams above, then the counters
-        last_checkpoint = checkpoints[-1]
-        accelerator.load_state(last_checkpoint)
-        state = torch.load(os.path.join(last_checkpoint, "state.pt"), weights_only=True)
+    if args.resume:  # the weights, optimiser, every process's random state and the objects above, then the counters
+        state = infra.resume(accelerator, args)
         score_moments, start_update, episode = state["score_moments"], state["update"] + 1, state["episode"]
-        if accelerator.is_main_process:  # the rows past the checkpoint (and a torn one) go: they are written again
-            for name in ["metrics.jsonl", "completions.jsonl"]:
-                path = os.path.join(args.output_dir, name)
-                if os.path.exists(path):
-                    with open(path) as f:
-                        rows = []
-                        for line in f:
-                            if not line.endswith("\n") or json.loads(line)["episode"] > episode:
-                                break
-                            rows.append(line)
-                    with open(path + ".tmp", "w") as f:
-                        f.writelines(rows)
-                    os.replace(path + ".tmp", path)
-            print(f"resuming from {last_checkpoint} (update {state['update']}, episode {episode})")
+        last_checkpoint = state["checkpoint"]
     # end copy
 
-    # copy: logs
-    # TensorBoard under output_dir (a resumed run drops what the killed one logged past its checkpoint), and with
-    # --track wandb synced from it, resuming the run whose id is in output_dir/wandb_id
-    writer = None
-    if accelerator.is_main_process:
-        if not args.resume:
-            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-                json.dump(vars(args), f, indent=1)
-        if args.track:
-            import wandb
-
-            id_file = os.path.join(args.output_dir, "wandb_id")
-            # (secrets, not random: the run's random streams stay as seeded)
-            run_id = open(id_file).read().strip() if args.resume and os.path.exists(id_file) else secrets.token_hex(8)
-            with open(id_file, "w") as f:
-                f.write(run_id)
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=run_name,
-                id=run_id,
-                resume="allow",
-                save_code=True,
-            )
-        writer = SummaryWriter(os.path.join(args.output_dir, "runs"), purge_step=episode + 1 if args.resume else None)
-        if not args.resume:
-            writer.add_text(
-                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-            )
+    writer = infra.open_logs(accelerator, args, run_name, episode)  # args.json, TensorBoard and wandb
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
-    # end copy
 
     # copy: rloo loop
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -430,7 +265,7 @@ if __name__ == "__main__":
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
         idx = idx[mine]
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
-        queries, query_mask = left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
         # so the forward passes can run each prompt once (utils.forward_grouped)
         queries = queries.repeat_interleave(k, 0).to(device)
@@ -449,7 +284,7 @@ if __name__ == "__main__":
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                response = generate(
+                response = utils.generate(
                     model=unwrapped,
                     queries=query,
                     query_mask=qmask,
@@ -458,30 +293,30 @@ if __name__ == "__main__":
                     stop_token_id=stop_token_id,
                     uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
                     group=rollout_group,
-                    synced=zero3(accelerator),
+                    synced=infra.zero3(accelerator),
                 )
 
                 # 1. truncate after the stop token; everything after it is padding
-                response, length = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                response, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
                 rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
                 query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
                 # end copy
                 # logprobs of the distribution sampled from: logits / temperature
-                grouped = partial(forward_grouped, context_length=context_length, group=rollout_group)
+                grouped = partial(utils.forward_grouped, context_length=context_length, group=rollout_group)
                 logits = grouped(unwrapped, query_response, mask, logits_to_keep=response.shape[1] + 1)[:, :-1]
-                logprobs.append(logprobs_from_logits(logits, response, args.temperature))
-                with reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
+                logprobs.append(utils.logprobs_from_logits(logits, response, args.temperature))
+                with utils.reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                     ref_logits = grouped(ref, query_response, mask, logits_to_keep=response.shape[1] + 1)[:, :-1]
-                ref_logprobs.append(logprobs_from_logits(ref_logits, response, args.temperature))
+                ref_logprobs.append(utils.logprobs_from_logits(ref_logits, response, args.temperature))
                 if args.kl_estimator == "full":  # the exact KL, while both models' logits are at hand
-                    full_kls.append(full_kl(logits, ref_logits, args.temperature))
+                    full_kls.append(utils.full_kl(logits, ref_logits, args.temperature))
                 del logits, ref_logits  # (chunk, width, vocab) each: freed before the next chunk allocates its own
 
                 # copy: score a chunk
                 # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
                 # last real token, functions the decoded text and the rows' dataset columns
                 per_source.append(
-                    get_scores(
+                    utils.get_scores(
                         sources,
                         tokenizer=tokenizer,
                         query_responses=query_response,
@@ -499,15 +334,15 @@ if __name__ == "__main__":
 
             # copy: gather the rollout
             # chunks may stop at different lengths: each padded to the longest
-            responses = pad_cat(responses, tokenizer.pad_token_id)
+            responses = utils.pad_cat(responses, tokenizer.pad_token_id)
             lengths, width = torch.cat(lengths), responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
-            logprobs = pad_cat(logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
+            logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
             query_responses = torch.cat([queries, responses], 1)
             attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
             # the weighted sum over the sources that scored each completion; one that none scored takes no part below
             per_source = torch.cat(per_source, 1)  # (sources, local batch)
-            scores, scored = weighted_scores(per_source, sources)
+            scores, scored = utils.weighted_scores(per_source, sources)
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old
             # trainers did, so the reward still ranks them)
@@ -519,16 +354,16 @@ if __name__ == "__main__":
             # TRL's score scaling and clipping of the final score (the penalty included), of the scored completions;
             # the moments take this batch in before they scale it. objective/scores stays the unscaled score
             raw_scores = scores
-            scores, score_moments = transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
+            scores, score_moments = utils.transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
             # end copy
 
             # 3. KL penalty: the per-token estimate (or the exact KL) against the reference, zero on padding, summed
             # over each completion and subtracted from its score
-            ref_logprobs = pad_cat(ref_logprobs, INVALID_LOGPROB).masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
             if args.kl_estimator == "full":
-                kl = pad_cat(full_kls, 0.0).masked_fill(padding_mask, 0.0)
+                kl = utils.pad_cat(full_kls, 0.0).masked_fill(padding_mask, 0.0)
             else:
-                kl = kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+                kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
             non_score_reward = -args.kl_coef * kl.sum(1)
             rlhf_reward = scores + non_score_reward
 
@@ -558,7 +393,7 @@ if __name__ == "__main__":
                     with accelerator.accumulate(policy):
                         micro_inds = mb_inds[micro_start : micro_start + args.per_device_train_batch_size]
                         mb_padding = padding_mask[micro_inds]
-                        logits = forward_grouped(
+                        logits = utils.forward_grouped(
                             policy,
                             query_responses[micro_inds],
                             attention_mask[micro_inds],
@@ -566,7 +401,7 @@ if __name__ == "__main__":
                             group=train_group,
                             logits_to_keep=width + 1,
                         )[:, :-1]
-                        new_logprobs, entropy = logprobs_from_logits(
+                        new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, responses[micro_inds], args.temperature, with_entropy=True
                         )
                         new_logprobs = new_logprobs.masked_fill(mb_padding, 0.0)
@@ -584,20 +419,20 @@ if __name__ == "__main__":
 
                         # copy: ptx, backward and step
                         if ptx_texts is not None:  # LightRFT's PTX loss: next-token prediction on the PTX texts
-                            ptx_ids, ptx_mask = ptx_batch(
+                            ptx_ids, ptx_mask = infra.ptx_batch(
                                 ptx_texts, ptx_stream, args.per_device_train_batch_size, accelerator, tokenizer.pad_token_id
                             )
-                            ptx_loss = lm_loss(forward(policy, ptx_ids, ptx_mask).logits, ptx_ids, ptx_mask)
+                            ptx_loss = utils.lm_loss(utils.forward(policy, ptx_ids, ptx_mask).logits, ptx_ids, ptx_mask)
                             loss = loss + args.ptx_coef * ptx_loss
                             ptx_stats[epoch, mb, ga] = ptx_loss.detach()
                         if not torch.isfinite(loss):
-                            die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
+                            utils.die(f"non-finite loss at update {update}; last good checkpoint: {last_checkpoint}")
                         accelerator.backward(loss * 0.0 if skip else loss)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                             # (None under DeepSpeed versions that clip inside their own step)
                             if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
-                                die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
+                                utils.die(f"non-finite gradient at update {update}; last good checkpoint: {last_checkpoint}")
                         optimizer.step()
                         optimizer.zero_grad()
                         if ema is not None and accelerator.sync_gradients:  # after each optimiser step
@@ -637,36 +472,32 @@ if __name__ == "__main__":
         means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
         num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
-        source_stats = reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
+        source_stats = infra.reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
         metrics.update(zip(stats.keys(), means))
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
         if args.use_score_scaling:  # the running moments this update's scores were scaled with
             metrics["objective/score_mean_running"] = score_moments["mean"]
-            metrics["objective/score_std_running"] = moments_std(score_moments)
+            metrics["objective/score_std_running"] = utils.moments_std(score_moments)
         if args.response_length_min is not None:
             metrics["completions/max_length_allowed"] = max_length
         # end copy
 
         # copy: write the metrics
-        if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, episode)
-            if sample_every and (update - 1) % sample_every == 0:
-                print_samples(
-                    f"update {update}",
-                    prompts=texts[:4],
-                    completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
-                    per_source=per_source,
-                    sources=sources,
-                    scores=raw_scores,
-                    scored=scored,
-                )
+        infra.log_metrics(accelerator, writer, args, metrics)
+        if accelerator.is_main_process and sample_every and (update - 1) % sample_every == 0:
+            infra.print_samples(
+                f"update {update}",
+                prompts=texts[:4],
+                completions=tokenizer.batch_decode(responses[:4], skip_special_tokens=True),
+                per_source=per_source,
+                sources=sources,
+                scores=raw_scores,
+                scored=scored,
+            )
         if args.log_completions:
-            write_completions(
+            infra.write_completions(
                 accelerator,
                 args,
                 episode=episode,
@@ -681,29 +512,12 @@ if __name__ == "__main__":
         # end copy
         # end copy
 
-        # copy: checkpoint
-        # after the metrics row, so a resumed run never repeats or loses one; written whole to a .tmp folder (accelerate
-        # writes the weights, the optimiser, every process's random state, the registered streams, and under DeepSpeed
-        # each process's shards), then renamed
+        # copy: checkpoint and save
+        # after the metrics row, so that a resumed run neither repeats nor loses one; complete or absent (written,
+        # then renamed)
         if args.checkpoint_every and update % args.checkpoint_every == 0:
-            finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in policy.parameters())  # (ZeRO-3: shard)
-            if accelerator.reduce(torch.tensor(float(finite), device=device), reduction="sum") < args.world_size:
-                die(f"non-finite weights at update {update}; no checkpoint written")
-            last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
-            if accelerator.is_main_process:
-                shutil.rmtree(last_checkpoint + ".tmp", ignore_errors=True)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(last_checkpoint + ".tmp")
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                state = {"update": update, "episode": episode, "score_moments": score_moments}
-                torch.save(state, os.path.join(last_checkpoint + ".tmp", "state.pt"))
-                shutil.rmtree(last_checkpoint, ignore_errors=True)
-                os.replace(last_checkpoint + ".tmp", last_checkpoint)
-                for old in sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))[: -args.keep_checkpoints]:
-                    shutil.rmtree(old, ignore_errors=True)
-            accelerator.wait_for_everyone()
-        # end copy
+            state = {"update": update, "episode": episode, "score_moments": score_moments}
+            last_checkpoint = infra.checkpoint(accelerator, policy, args, update, state=state)
 
     if args.save_model:
         accelerator.wait_for_everyone()
@@ -719,31 +533,7 @@ if __name__ == "__main__":
                 state_dict=accelerator.get_state_dict(policy),
             )
 
-    # copy: save
-    # the average's weights in the trained policy's place (its training is over; there is no LoRA with an EMA, so
-    # `unwrapped` is the policy itself), saved alike
-    if args.save_model and ema is not None:
-        with torch.no_grad():
-            for p, average in zip(unwrapped.parameters(), ema.module.parameters()):
-                p.copy_(average)
-        unwrapped.save_pretrained(
-            os.path.join(args.output_dir, "ema"),
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-        )
-    if accelerator.is_main_process:
-        writer.close()
-        if args.save_model:
-            tokenizer.save_pretrained(args.output_dir)
-            if ema is not None:
-                tokenizer.save_pretrained(os.path.join(args.output_dir, "ema"))
-            write_model_card(
-                args, script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources
-            )
-        if args.push_to_hub:  # last of all: a failed upload leaves the saved model as it is
-            push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
-    # every process leaves the process group together, once the main process has written everything: a two-process
-    # ZeRO-3 run sometimes aborted in the other process as it exited while the main one was still saving
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    # the EMA, the tokenizer, the model card, the hub
+    card = dict(script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources)
+    infra.finish(accelerator, args, writer=writer, tokenizer=tokenizer, ema=ema, card=card)
     # end copy

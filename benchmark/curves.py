@@ -55,7 +55,7 @@ def convert(name, folder):
         return folder
     from transformers import AutoModelForCausalLM
 
-    from utils import load_pretrained, load_tokenizer
+    from infra import load_pretrained, load_tokenizer
 
     load_pretrained(AutoModelForCausalLM, name).save_pretrained(folder)
     load_tokenizer(name).save_pretrained(folder)

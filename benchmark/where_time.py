@@ -67,7 +67,7 @@ if "trl" in os.path.basename(script):
     GenerationMixin.generate = timed(GenerationMixin.generate, "generation")
     for cls in (RLOOTrainer, GRPOTrainer):
         cls._get_per_token_logps_and_entropies = timed(cls._get_per_token_logps_and_entropies, passes)
-else:  # the scripts import these names from utils when they start, so patching the module is enough
+else:  # the scripts call these as utils.NAME, so patching the module is enough
     import utils
 
     utils.generate = timed(utils.generate, "generation")

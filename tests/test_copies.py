@@ -2,13 +2,14 @@
 
 A shared block is marked in every script that holds it:
 
-    # copy: setup
+    # copy: draw prompts
     ...
     # end copy
 
 Blocks of one name must read the same (up to their indentation) in every script; the first script in SCRIPTS that
 holds a name is its source. A copy may rename, as transformers' "Copied from ... with Bert->Roberta":
-`# copy: checkpoint (policy->model)` is the source's block with every word `policy` read as `model`.
+`# copy: policy and reference (model_name_or_path->sft_model_path)` is the source's block with every word
+`model_name_or_path` read as `sft_model_path`.
 `python tests/test_copies.py --fix` rewrites every copy from its source, as transformers' `make fix-copies`;
 the test fails on any drift.
 """
@@ -110,8 +111,9 @@ def test_no_unmarked_copy_of_20_lines():
 
 
 def test_every_script_shares_the_common_blocks():
-    """Each script marks the blocks that every script runs (so that none can drift unseen)."""
-    common = {"setup", "output_dir and resume", "seeding", "logs", "checkpoint", "save"}
+    """Each script marks the blocks that every script runs (so that none can drift unseen); the plumbing they share is
+    called from infra.py instead."""
+    common = {"draw prompts", "gather the rollout", "score a chunk", "log the update", "write the metrics"}
     for script in SCRIPTS:
         assert common <= set(blocks(open(os.path.join(REPO, script)).read(), script)), script
 
@@ -121,11 +123,11 @@ def test_an_edited_copy_is_found_and_fixed(tmp_path):
         with open(os.path.join(REPO, script)) as f:
             (tmp_path / script).write_text(f.read())
     text = (tmp_path / "grpo.py").read_text()
-    first, last, _, _ = blocks(text)["checkpoint"]
+    first, last, _, _ = blocks(text)["write the metrics"]
     lines = text.splitlines()
     lines[first + 2] += "  # an edit in one copy"
     (tmp_path / "grpo.py").write_text("\n".join(lines) + "\n")
-    assert drifted(tmp_path) == ["grpo.py: block 'checkpoint' differs from rloo.py's"]
+    assert drifted(tmp_path) == ["grpo.py: block 'write the metrics' differs from rloo.py's"]
     drifted(tmp_path, fix=True)
     assert drifted(tmp_path) == [] and (tmp_path / "grpo.py").read_text() == open(os.path.join(REPO, "grpo.py")).read()
 

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import infra  # noqa: E402
 import utils  # noqa: E402
 from rloo import rloo_advantages  # noqa: E402
 
@@ -190,7 +191,7 @@ def test_left_pad():
 def tiny_lm(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), utils.load_tokenizer(tiny_model_dir)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), infra.load_tokenizer(tiny_model_dir)
 
 
 def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
@@ -406,26 +407,26 @@ def test_reward_fn_loading_and_checks(tmp_path):
         "def length(prompts, completions):\n    return [len(c) for c in completions]\n"
         "def needs_answer(prompts, completions, answer, scale=1.0):\n    return [scale * a for a in answer]\n"
     )
-    fn = utils.load_reward_fn(f"{tmp_path}/rew.py:length", columns=[])
+    fn = infra.load_reward_fn(f"{tmp_path}/rew.py:length", columns=[])
     assert fn(["p", "q"], ["ab", "c"]) == [2, 1]
-    assert utils.load_reward_fn("sentiment", columns=[]) is utils.sentiment_reward
+    assert infra.load_reward_fn("sentiment", columns=[]) is utils.sentiment_reward
     good, bad = utils.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
     assert good > 0.5 and bad < -0.5
     assert utils.check_rewards([1, 2.5, None], 3, "f") == [1.0, 2.5, None]
     assert utils.check_rewards(torch.tensor([1.0, 2.0]), 2, "f") == [1.0, 2.0]
     for spec in [f"{tmp_path}/nope.py:f", f"{tmp_path}/rew.py:missing", "no_such_module_xyz:f", "sentiments"]:
         with pytest.raises(SystemExit):
-            utils.load_reward_fn(spec, columns=[])
+            infra.load_reward_fn(spec, columns=[])
     for scores in [[1.0], [1.0, float("nan")], [1.0, float("inf")], ["a", 1.0], None, "12", [1.0, [2.0]]]:
         with pytest.raises(SystemExit):
             utils.check_rewards(scores, 2, "f")
     # columns: a function names the ones it needs (checked against the dataset at load), or takes **columns
     with pytest.raises(SystemExit, match="needs the dataset column"):
-        utils.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question"])
-    fn = utils.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["answer", "question"])
+        infra.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question"])
+    fn = infra.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["answer", "question"])
     columns = {"answer": [3, 4], "question": ["a", "b"]}
     assert utils.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
-    assert utils.call_reward_fn(utils.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
+    assert utils.call_reward_fn(infra.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
 
 
 @pytest.mark.parametrize(
@@ -482,8 +483,8 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
     tokenizer is the policy's plus one token, so the re-encoding path runs while ordinary text keeps its ids."""
     from transformers import AutoModelForSequenceClassification
 
-    tok = utils.load_tokenizer(tiny_tokenizer_dir)
-    rm_tok = utils.load_tokenizer(tiny_tokenizer_dir)
+    tok = infra.load_tokenizer(tiny_tokenizer_dir)
+    rm_tok = infra.load_tokenizer(tiny_tokenizer_dir)
     rm_tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
     assert not utils.same_vocabulary(tok, rm_tok)
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
@@ -521,7 +522,7 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
 def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
     import datasets
 
-    tok = utils.load_tokenizer(tiny_model_dir)
+    tok = infra.load_tokenizer(tiny_model_dir)
     rows = {
         "prompt": ["the first prompt", "a second, longer prompt about the river"],
         "ref": [" one ", "two\n"],
@@ -531,18 +532,18 @@ def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_
     (tmp_path / "folder").mkdir()
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "folder" / "train.parquet"))
     for source in [tmp_path / "p.csv", tmp_path / "folder"]:
-        queries, texts, refs, columns = utils.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
+        queries, texts, refs, columns = infra.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
         assert texts == rows["prompt"] and refs == ["one", "two"]
         assert columns == {"ref": [" one ", "two\n"], "answer": [1, 2]}  # every column but the prompt, for rewards
         assert queries == [tok(t, add_special_tokens=False)["input_ids"] for t in rows["prompt"]]
     # too long prompts are dropped
     short = len(tok("the first prompt", add_special_tokens=False)["input_ids"])
-    _, texts, refs, columns = utils.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
+    _, texts, refs, columns = infra.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
     assert texts == ["the first prompt"] and refs == [None] and columns["answer"] == [1]  # aligned with what is kept
     # chat messages go through the chat template, with the generation prompt
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi there"}]}\n')
-    queries, texts, _, _ = utils.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
+    queries, texts, _, _ = infra.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
     assert texts == ["hi there"] and tok.decode(queries[0]) == "<user>hi there<assistant>"
 
 
@@ -562,7 +563,7 @@ def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path
     plain, padded = make(False), make(True)
     plain.pad_token = plain.eos_token  # what load_tokenizer does for a tokenizer without one
     assert padded.pad_token_id == len(plain) and utils.same_vocabulary(padded, plain)
-    other = utils.load_tokenizer(tiny_tokenizer_dir)
+    other = infra.load_tokenizer(tiny_tokenizer_dir)
     assert not utils.same_vocabulary(padded, other)  # another vocabulary (and another EOS id)
     shifted = make(False)
     shifted.add_special_tokens({"additional_special_tokens": ["<sep>"]})
