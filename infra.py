@@ -20,6 +20,7 @@ import secrets
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -112,6 +113,21 @@ class RunArgs:
     ptx_max_length: Optional[int] = None
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
 
+    # generation
+    use_vllm: bool = False
+    """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
+    each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by truncated importance
+    sampling (see README: vLLM rollouts). Needs vLLM installed; one process, no LoRA or DeepSpeed yet"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
+    vllm_tensor_parallel_size: int = 1
+    """the GPUs the engine shards the model over"""
+    vllm_enforce_eager: bool = False
+    """run the engine without compiled graphs: starts in seconds instead of a minute, generates slower"""
+    vllm_importance_sampling_cap: float = 3.0
+    """the cap C of truncated importance sampling: each sample's weight is min(trainer probability / engine
+    probability, C), per token (per completion in RLOO) (TRL's default cap)"""
+
     # to be filled in at runtime
     distributed_type: tyro.conf.Suppress[str] = ""
     """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
@@ -141,6 +157,12 @@ class RunArgs:
             die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
         if self.use_peft and self.lora_r < 1:
             die(f"--lora_r must be at least 1, got {self.lora_r}")
+        if self.use_vllm and self.use_peft:
+            die("--use_vllm does not work with --use_peft yet")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
+            die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        if self.vllm_importance_sampling_cap <= 0:
+            die(f"--vllm_importance_sampling_cap must be positive, got {self.vllm_importance_sampling_cap}")
         if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
             if not self.hub_model_id:
                 die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
@@ -783,6 +805,8 @@ def setup(args):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if args.use_vllm and (accelerator.num_processes > 1 or accelerator.distributed_type.value == "DEEPSPEED"):
+        die("--use_vllm runs in one process, without DeepSpeed, for now")
     seed = args.seed + accelerator.process_index * 100003
     random.seed(seed)
     np.random.seed(seed)
@@ -895,12 +919,12 @@ def log_metrics(accelerator, writer, args, metrics):
             writer.add_scalar(key, value, metrics["episode"])
 
 
-def finish(accelerator, args, writer, tokenizer, ema, card):
+def finish(accelerator, args, writer, tokenizer, ema, card, engine=None):
     """The end of a run, once the script saved its model: the EMA's weights to output_dir/ema, the tokenizer beside
     each, the model card (card: write_model_card's arguments), the hub upload last of all (a failed upload leaves the
     saved model as it is); then every process leaves the process group together, once the main process has written
     everything (a two-process ZeRO-3 run sometimes aborted in the other process as it exited while the main one was
-    still saving)."""
+    still saving). A vLLM engine is shut down first: it holds a process group of its own."""
     if args.save_model and ema is not None:  # (no EMA under ZeRO-3 or with LoRA: ema.module is the whole policy)
         ema.module.save_pretrained(os.path.join(args.output_dir, "ema"), is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
@@ -913,4 +937,37 @@ def finish(accelerator, args, writer, tokenizer, ema, card):
         if args.push_to_hub:
             push_to_hub(args.output_dir, repo_id=args.hub_model_id, private=args.hub_private)
     accelerator.wait_for_everyone()
+    if engine is not None:
+        engine.llm_engine.engine_core.shutdown()
     accelerator.end_training()
+
+
+def vllm_engine(args, policy):
+    """A vLLM engine in this process (TRL's colocate mode) with the policy's architecture and random weights:
+    utils.vllm_sync gives it the policy's before each rollout. It reads no tokenizer (prompts go in as token ids) and
+    reports the logprobs of the distribution it samples from (logits / temperature). On a machine without CUDA it is
+    vLLM's CPU build, given a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and every core."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, to sync in place
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    try:
+        from vllm import LLM
+    except ImportError:
+        die("--use_vllm needs vLLM: see the README's 'vLLM rollouts' for the one install command")
+    with tempfile.TemporaryDirectory() as folder:
+        policy.config.save_pretrained(folder)
+        return LLM(
+            model=folder,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16" if args.bf16 else "float32",
+            seed=args.seed,
+            max_model_len=args.max_prompt_length + args.response_length,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            enforce_eager=args.vllm_enforce_eager,
+            distributed_executor_backend="uni" if args.vllm_tensor_parallel_size == 1 else None,
+        )

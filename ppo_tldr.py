@@ -232,6 +232,8 @@ if __name__ == "__main__":
     accelerator = infra.setup(args)  # the processes, the batch sizes (into args), the shared flags' checks, seeding
 
     # copy: ppo checks
+    if args.use_vllm:
+        utils.die("--use_vllm: the PPO scripts do not take it yet (rloo.py, grpo.py and rloo_tldr.py do)")
     # k1 sums to the sequence log-ratio, unbiased in the reward; in the loss E_p[grad log p] = 0 leaves it no gradient
     if args.kl_estimator is None:
         args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
@@ -431,8 +433,10 @@ if __name__ == "__main__":
         max_length = args.response_length
         if args.response_length_min is not None:
             max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
+        # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
+        seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
-        idx = idx[mine]
+        idx, seeds = idx[mine], seeds[mine] if args.use_vllm else None
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
         queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,

@@ -224,6 +224,8 @@ if __name__ == "__main__":
         ema.update_parameters(accelerator.unwrap_model(policy))  # the first call copies: the average starts here
         accelerator.register_for_checkpointing(ema)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
+    # --use_vllm: a vLLM engine in this process samples the rollouts, given the policy's weights before each one
+    engine = infra.vllm_engine(args, accelerator.unwrap_model(policy)) if args.use_vllm else None
     score_moments = utils.new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:  # the weights, optimiser, every process's random state and the objects above, then the counters
@@ -262,8 +264,10 @@ if __name__ == "__main__":
         max_length = args.response_length
         if args.response_length_min is not None:
             max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
+        # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
+        seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
         mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
-        idx = idx[mine]
+        idx, seeds = idx[mine], seeds[mine] if args.use_vllm else None
         uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
         queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
@@ -281,20 +285,36 @@ if __name__ == "__main__":
             unwrapped = accelerator.unwrap_model(policy)
             responses, logprobs, ref_logprobs, full_kls, per_source, lengths = [], [], [], [], [], []
             # copy: generate a chunk
+            if engine is not None:  # --use_vllm: the engine samples the whole batch, with the policy's weights
+                utils.vllm_sync(engine, unwrapped)
+                sampled, engine_logprobs = utils.vllm_generate(
+                    engine,
+                    queries[::k],
+                    query_mask[::k],
+                    k=k,
+                    max_tokens=max_length,
+                    temperature=args.temperature,
+                    stop_token_id=stop_token_id,
+                    seeds=seeds,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                response = utils.generate(
-                    model=unwrapped,
-                    queries=query,
-                    query_mask=qmask,
-                    response_length=max_length,
-                    temperature=args.temperature,
-                    stop_token_id=stop_token_id,
-                    uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
-                    group=rollout_group,
-                    synced=infra.zero3(accelerator),
-                )
+                if engine is not None:
+                    response = sampled[i : i + args.local_rollout_forward_batch_size]
+                else:
+                    response = utils.generate(
+                        model=unwrapped,
+                        queries=query,
+                        query_mask=qmask,
+                        response_length=max_length,
+                        temperature=args.temperature,
+                        stop_token_id=stop_token_id,
+                        uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
+                        group=rollout_group,
+                        synced=infra.zero3(accelerator),
+                    )
 
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
@@ -356,6 +376,13 @@ if __name__ == "__main__":
             raw_scores = scores
             scores, score_moments = utils.transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
             # end copy
+            # --use_vllm: the engine sampled; each completion's probability under the trainer over the engine's,
+            # truncated (TIS), weighs its loss (the completion's: RLOO's ratio is the sequence's)
+            is_weight = torch.ones_like(scores)
+            if engine is not None:
+                is_weight, vllm_stats = utils.truncated_importance_weights(
+                    logprobs, engine_logprobs, padding_mask, cap=args.vllm_importance_sampling_cap, level="sequence"
+                )
 
             # 3. KL penalty: the per-token estimate (or the exact KL) against the reference, zero on padding, summed
             # over each completion and subtracted from its score
@@ -411,7 +438,7 @@ if __name__ == "__main__":
                         mb_advantage = advantages[micro_inds]
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
-                        pg_loss = torch.max(pg_losses, pg_losses2).mean()
+                        pg_loss = (torch.max(pg_losses, pg_losses2) * is_weight[micro_inds]).mean()
                         loss = pg_loss
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient
                         # (its backward still runs, so that every process takes part in each step)
@@ -467,6 +494,8 @@ if __name__ == "__main__":
                 stats["loss/ptx"] = ptx_stats.mean()
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
+            if engine is not None:  # how far the engine's logprobs are from the trainer's
+                stats.update(zip(["vllm/logprob_diff_mean", "vllm/logprob_diff_max", "vllm/capped_fraction"], vllm_stats))
 
         # copy: log the update
         means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
@@ -535,5 +564,5 @@ if __name__ == "__main__":
 
     # the EMA, the tokenizer, the model card, the hub
     card = dict(script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.model_name_or_path, sources=sources)
-    infra.finish(accelerator, args, writer=writer, tokenizer=tokenizer, ema=ema, card=card)
+    infra.finish(accelerator, args, writer=writer, tokenizer=tokenizer, ema=ema, card=card, engine=engine)
     # end copy

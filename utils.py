@@ -380,6 +380,61 @@ def generate(
     return torch.cat(tokens, dim=1)
 
 
+def vllm_sync(engine, model):
+    """Load model's weights (an unwrapped transformers model) into the vLLM engine in place, and drop the engine's
+    cached prompts (computed with the old weights). The output projection is sent even when tied to the embeddings:
+    the engine keeps its own copy."""
+    state = model.state_dict()
+    head = model.get_output_embeddings()
+    if head is not None and "lm_head.weight" not in state:
+        state["lm_head.weight"] = head.weight
+    engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state.items())))
+    engine.reset_prefix_cache()
+
+
+def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_token_id, seeds, pad_token_id):
+    """k completions of each of the prompts (queries, query_mask: (prompts, query_len), left-padded) sampled by the vLLM
+    engine from softmax(logits / temperature), each prompt sent once with n = k; the engine seeds prompt j's k samples
+    with seeds[j], seeds[j] + 1, ... Stops at stop_token_id (kept, as generate() keeps it). Returns responses
+    (prompts * k, longest), padded with pad_token_id, and the engine's logprobs of their tokens (INVALID_LOGPROB on
+    padding), on the queries' device; row j * k + i is prompt j's i-th completion."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
+    stop = [stop_token_id] if stop_token_id is not None else None
+    params = [
+        SamplingParams(n=k, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=int(s), stop_token_ids=stop)
+        for s in seeds
+    ]
+    rows = [c for out in engine.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
+    width = max(len(c.token_ids) for c in rows)
+    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.full((len(rows), width), INVALID_LOGPROB)
+    for i, c in enumerate(rows):
+        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+    return responses.to(queries.device), logprobs.to(queries.device)
+
+
+def truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap, level="token"):
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+    RL Training"): the trainer's probability of each sampled token over the engine's, min(ratio, cap), so that a loss
+    computed as if the trainer had sampled is corrected for the engine having sampled. level token: one weight per
+    token (rows, width), 1 on padding; sequence: one per completion (rows,), the ratio of the completions'
+    probabilities. Returns the weights and (mean |logprob difference| over real tokens, its max, the fraction of
+    weights capped)."""
+    real = ~padding_mask
+    diff = (logprobs - engine_logprobs).masked_fill(padding_mask, 0.0)
+    if level == "sequence":
+        ratio = diff.sum(1).exp()
+        capped = (ratio > cap).float().mean()
+    else:
+        ratio = diff.exp()
+        capped = ((ratio > cap) & real).sum() / real.sum().clamp(min=1)
+    stats = (diff.abs().sum() / real.sum().clamp(min=1), diff.abs().max(), capped)
+    return ratio.clamp(max=cap), stats
+
+
 def pad_cat(chunks, value):
     """Rows of chunks that may end at different widths (a rollout's chunks stop at their own longest completion), right-
     padded with `value` to the widest and concatenated: (rows, width, ...)."""

@@ -252,3 +252,25 @@ def eos_model_dir(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_tokenizer_dir, tmp_path_factory):
+    """A tiny Llama for the vLLM tests: vLLM's CPU attention takes head sizes from 32 up (the GPT-NeoX above has 16)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    return _save_with_tokenizer(LlamaForCausalLM, config, 0, tokenizer, str(tmp_path_factory.mktemp("tiny_llama")))
