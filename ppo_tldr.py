@@ -232,8 +232,6 @@ if __name__ == "__main__":
     accelerator = infra.setup(args)  # the processes, the batch sizes (into args), the shared flags' checks, seeding
 
     # copy: ppo checks
-    if args.use_vllm:
-        utils.die("--use_vllm: the PPO scripts do not take it yet (rloo.py, grpo.py and rloo_tldr.py do)")
     # k1 sums to the sequence log-ratio, unbiased in the reward; in the loss E_p[grad log p] = 0 leaves it no gradient
     if args.kl_estimator is None:
         args.kl_estimator = "k1" if args.kl_penalty == "reward" else "k2"
@@ -372,6 +370,8 @@ if __name__ == "__main__":
     kl_coef = KLCoef(args.kl_coef)
     accelerator.register_for_checkpointing(kl_coef)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
+    # --use_vllm: a vLLM engine in this process samples the rollouts, given the policy's weights before each one
+    engine = infra.vllm_engine(args, accelerator.unwrap_model(model).policy) if args.use_vllm else None
     score_moments = utils.new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:  # the weights, optimiser, every process's random state and the objects above, then the counters
@@ -454,19 +454,35 @@ if __name__ == "__main__":
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(model)
             responses, logprobs, ref_logprobs, full_kls, values, per_source, lengths = [], [], [], [], [], [], []
+            if engine is not None:  # --use_vllm: the engine samples the whole batch, with the policy's weights
+                utils.vllm_sync(engine, unwrapped.policy)
+                sampled, engine_logprobs = utils.vllm_generate(
+                    engine,
+                    queries,
+                    query_mask,
+                    k=1,
+                    max_tokens=max_length,
+                    temperature=args.temperature,
+                    stop_token_id=stop_token_id,
+                    seeds=seeds,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                response = utils.generate(
-                    model=unwrapped.policy,
-                    queries=query,
-                    query_mask=qmask,
-                    response_length=max_length,
-                    temperature=args.temperature,
-                    stop_token_id=stop_token_id,
-                    uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
-                    synced=infra.zero3(accelerator),
-                )
+                if engine is not None:
+                    response = sampled[i : i + args.local_rollout_forward_batch_size]
+                else:
+                    response = utils.generate(
+                        model=unwrapped.policy,
+                        queries=query,
+                        query_mask=qmask,
+                        response_length=max_length,
+                        temperature=args.temperature,
+                        stop_token_id=stop_token_id,
+                        uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
+                        synced=infra.zero3(accelerator),
+                    )
 
                 # 1. truncate after the stop token; everything after it is padding
                 response, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
@@ -558,6 +574,14 @@ if __name__ == "__main__":
             values = values.masked_fill(~value_mask, 0.0)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = utils.masked_whiten(advantages, train_mask, reduce=reduce_sum).masked_fill(~train_mask, 0.0)
+
+            # --use_vllm: the engine sampled; each token's probability under the trainer over the engine's, truncated
+            # (TIS), weighs its policy loss
+            is_weight = torch.ones_like(logprobs)
+            if engine is not None:
+                is_weight, vllm_stats = utils.truncated_importance_weights(
+                    logprobs, engine_logprobs, padding_mask, cap=args.vllm_importance_sampling_cap
+                )
             # end copy
 
         # copy: ppo update
@@ -594,7 +618,7 @@ if __name__ == "__main__":
                         mb_advantage = advantages[micro_inds]
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
-                        pg_loss = utils.masked_mean(torch.max(pg_losses, pg_losses2), mb_mask)
+                        pg_loss = utils.masked_mean(torch.max(pg_losses, pg_losses2) * is_weight[micro_inds], mb_mask)
                         vf_loss, vf_clipfrac = value_loss(
                             vpred,
                             values=values[micro_inds],
@@ -678,6 +702,8 @@ if __name__ == "__main__":
                 stats["loss/ptx"] = ptx_stats[done].mean()
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats[done].mean()
+            if engine is not None:  # how far the engine's logprobs are from the trainer's
+                stats.update(zip(["vllm/logprob_diff_mean", "vllm/logprob_diff_max", "vllm/capped_fraction"], vllm_stats))
             # end copy
 
         # copy: log the update
@@ -784,7 +810,7 @@ if __name__ == "__main__":
 
     # the EMA, the tokenizer, the model card, the hub
     card = dict(script=__file__, algorithm=ALGORITHM, doc=__doc__, base_model=args.sft_model_path, sources=sources)
-    infra.finish(accelerator, args, writer=writer, tokenizer=tokenizer, ema=ema, card=card)
+    infra.finish(accelerator, args, writer=writer, tokenizer=tokenizer, ema=ema, card=card, engine=engine)
     if accelerator.is_main_process:
         print(
             f"judge the final summaries against the references: python benchmark/judge_tldr.py --samples {args.output_dir}"

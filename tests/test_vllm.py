@@ -114,7 +114,7 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
 
 
 def vllm_command(script, model, prompts, out, extra=""):
-    k = "--rloo_k 4" if script == "rloo.py" else "--num_generations 4"
+    k = {"rloo.py": "--rloo_k 4", "grpo.py": "--num_generations 4", "ppo.py": ""}[script]
     return (
         f"{script} {k} {EAGER} --model_name_or_path {model} --dataset_name {prompts} --output_dir {out}"
         f" --num_sample_generations 0 --response_length 12 {extra}"
@@ -170,7 +170,7 @@ def test_kill_then_resume_with_vllm_gives_the_uninterrupted_metrics(run, tmp_pat
 @needs_vllm
 def test_refusals_are_one_line(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
     for script, extra, expected in [
-        ("ppo.py", "", "error: --use_vllm: the PPO scripts do not take it yet"),
+        ("ppo.py", "--vllm_tensor_parallel_size 0", "error: --vllm_gpu_memory_utilization must be in (0, 1]"),
         ("grpo.py", "--use_peft", "error: --use_vllm does not work with --use_peft yet"),
         ("grpo.py", "--vllm_importance_sampling_cap 0", "error: --vllm_importance_sampling_cap must be positive"),
     ]:
@@ -181,7 +181,7 @@ def test_refusals_are_one_line(run, tmp_path, tiny_llama_dir, tiny_prompts_file)
 
 
 @needs_vllm
-@pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])
+@pytest.mark.parametrize("script", ["rloo.py", "grpo.py", "ppo.py"])
 def test_the_importance_weights_scale_the_loss(script, run, tmp_path, tiny_llama_dir, tiny_prompts_file):
     (tmp_path / "reward.py").write_text(VOWELS)
     extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 16 --no_save_model"
