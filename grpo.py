@@ -61,6 +61,10 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: each token's probability ratio to the rollout policy (GRPO); sequence: one ratio per completion, the exp of
+    the mean of its tokens' log-ratios, clipped as a whole and given to each of its tokens (GSPO; TRL's name; the paper
+    clips it with --epsilon 3e-4 --epsilon_high 4e-4)"""
     epsilon: float = 0.2
     """the lower clip range of the per-token probability ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
@@ -178,6 +182,14 @@ def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
         advantages = advantages / (batch_std(scores[valid.flatten()], reduce) + 1e-4)
     advantages = advantages.masked_fill(zero_std | ~valid, 0.0)
     return advantages.flatten(), zero_std.expand_as(grouped).flatten()
+
+
+def sequence_log_ratio(log_ratio, mask):
+    """GSPO: each completion's mean log probability ratio over its tokens that count (mask), given to every one of its
+    tokens: (rows, width) -> (rows, width). The gradient flows to each token's log-probability, weighted 1 / its
+    completion's token count. A completion without a token that counts gets 0 (ratio 1)."""
+    m = mask.to(log_ratio.dtype)
+    return ((log_ratio * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)).expand_as(log_ratio)
 
 
 def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens):
@@ -505,9 +517,13 @@ if __name__ == "__main__":
                         new_logprobs = new_logprobs.masked_fill(mb_padding, utils.INVALID_LOGPROB)
                         if on_policy:  # the policy has not stepped since the rollout: these are its logprobs
                             logprobs[micro_inds] = new_logprobs.detach()
-                        # the token-level ratio: GRPO treats each token as an action sharing its completion's advantage
+                        # the token-level ratio: GRPO treats each token as an action sharing its completion's advantage;
+                        # GSPO gives every token its completion's (length-normalised) sequence ratio
                         logprobs_diff = new_logprobs - logprobs[micro_inds]
-                        ratio = torch.exp(logprobs_diff)
+                        if args.importance_sampling_level == "sequence":
+                            ratio = torch.exp(sequence_log_ratio(logprobs_diff, mb_mask))
+                        else:
+                            ratio = torch.exp(logprobs_diff)
                         mb_advantage = advantages[micro_inds][:, None]
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.epsilon, 1.0 + epsilon_high)

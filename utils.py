@@ -1,7 +1,7 @@
-"""The method the scripts share: sampling and generation, the forward passes (packed where exact), logprobs and the
-exact KL, the KL estimators, masked statistics, TRL's score scaling, the value head, and scoring with reward models
-and functions. What one algorithm alone needs (baselines, advantages, losses) stays in its script; the plumbing
-(flags, loading, checkpoints, logs, the model card) is in infra.py.
+"""The method the scripts share: sampling and generation (with a vLLM engine too), the forward passes (packed where
+exact), logprobs and the exact KL, the KL estimators, masked statistics, TRL's score scaling, the value head, and
+scoring with reward models and functions. What one algorithm alone needs (baselines, advantages, losses) stays in its
+script; the plumbing (flags, loading, checkpoints, logs, the model card) is in infra.py.
 """
 
 import inspect

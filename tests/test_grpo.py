@@ -12,7 +12,7 @@ from conftest import REPO
 from test_rloo import VOWELS, check_ok, read_metrics, reward_keys
 
 sys.path.insert(0, REPO)
-from grpo import aggregate_loss, group_advantages  # noqa: E402
+from grpo import aggregate_loss, group_advantages, sequence_log_ratio  # noqa: E402
 
 KEYS = (
     "episode eps lr reward reward_std frac_reward_zero_std entropy clip_ratio/low_mean clip_ratio/high_mean"
@@ -300,3 +300,59 @@ def test_group_advantages_leave_unscored_completions_out(scale_rewards):
     advantages, zero_std = group_advantages(scores, k, scale_rewards, scored=scored)
     torch.testing.assert_close(advantages, expected)
     assert zero_std.tolist() == [False] * 4 + [True] * 4 + [False] * 4  # the second group has one scored completion
+
+
+def test_gspo_sequence_ratio_matches_a_naive_loop():
+    """GSPO (--importance_sampling_level sequence): each completion's ratio is exp(mean of its counted tokens'
+    log-ratios), shared by its tokens; its gradient reaches each counted token with weight 1 / their number."""
+    torch.manual_seed(0)
+    log_ratio = (torch.randn(4, 6) * 0.3).requires_grad_()
+    mask = torch.rand(4, 6) > 0.3
+    mask[2] = False  # a completion with no token that counts
+    out = sequence_log_ratio(log_ratio, mask)
+    for i in range(4):
+        picked = [log_ratio[i, t].item() for t in range(6) if mask[i, t]]
+        want = sum(picked) / len(picked) if picked else 0.0
+        for t in range(6):
+            assert out[i, t].item() == pytest.approx(want, abs=1e-6)
+    (grad,) = torch.autograd.grad(out[:, 0].sum(), log_ratio)  # one token's value per row: d(mean)/d(each token)
+    for i in range(4):
+        n = int(mask[i].sum())
+        for t in range(6):
+            assert grad[i, t].item() == pytest.approx(1.0 / n if mask[i, t] else 0.0, abs=1e-6)
+
+    # the clipped loss of a micro-batch, aggregated per completion (--loss_type grpo), against a loop over completions
+    old = -torch.rand(4, 6)
+    new = (old + log_ratio.detach()).requires_grad_()
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.3])
+    ratio = torch.exp(sequence_log_ratio(new - old, mask))
+    clipped = torch.clamp(ratio, 1 - 3e-4, 1 + 4e-4)
+    per_token = torch.max(-advantages[:, None] * ratio, -advantages[:, None] * clipped)
+    loss = aggregate_loss(per_token, mask, loss_type="grpo", response_length=6, dapo_tokens=None)
+    naive = []
+    for i in range(4):
+        ts = [t for t in range(6) if mask[i, t]]
+        if not ts:
+            naive.append(0.0)  # aggregate_loss counts a row without tokens as zero
+            continue
+        s = math.exp(sum(new[i, t].item() - old[i, t].item() for t in ts) / len(ts))
+        naive.append(max(-advantages[i].item() * s, -advantages[i].item() * min(max(s, 1 - 3e-4), 1 + 4e-4)))
+    assert loss.item() == pytest.approx(sum(naive) / 4, rel=1e-5)
+
+
+def test_gspo_runs_and_differs_from_token_level(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    rows = {}
+    for level in ("token", "sequence"):
+        out = tmp_path / level
+        proc = run(
+            f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 16"
+            " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_iterations 2 --response_length 8"
+            f" --learning_rate 3e-2 --temperature 1.0 --importance_sampling_level {level} --no_save_model --output_dir {out}",
+            cwd=tmp_path,
+        )
+        check_ok(proc)
+        (rows[level],) = read_metrics(out)
+        assert all(math.isfinite(v) for v in rows[level].values())
+    # the same rollout; the second iteration's ratios are the completions' under GSPO, the tokens' otherwise
+    assert rows["token"]["objective/scores"] == rows["sequence"]["objective/scores"]
+    assert rows["token"]["val/ratio"] != rows["sequence"]["val/ratio"]
