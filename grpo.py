@@ -61,6 +61,10 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
+    top_entropy_quantile: float = 1.0
+    """only the tokens whose entropy is in this top fraction of the micro-batch's (all processes') tokens get a policy
+    gradient ("Beyond the 80/20 Rule", Wang et al. 2025, who use 0.2; TRL's name): 1 keeps every token, 0 only the
+    highest-entropy ones"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: each token's probability ratio to the rollout policy (GRPO); sequence: one ratio per completion, the exp of
     the mean of its tokens' log-ratios, clipped as a whole and given to each of its tokens (GSPO; TRL's name; the paper
@@ -192,6 +196,15 @@ def sequence_log_ratio(log_ratio, mask):
     return ((log_ratio * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)).expand_as(log_ratio)
 
 
+def high_entropy_mask(entropy, mask, quantile, pool):
+    """The tokens that count (mask, (rows, width)) whose entropy is at least the (1 - quantile) quantile of pool, the
+    entropies of every token that counts in the micro-batch on all processes (torch.quantile: linear interpolation, as
+    TRL). No pool, no token."""
+    if pool.numel() == 0:
+        return torch.zeros_like(mask)
+    return mask & (entropy >= torch.quantile(pool.float(), 1.0 - quantile))
+
+
 def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens):
     """One micro-batch's loss from its per-token losses (batch, seq) and mask (batch, seq), True where a token counts.
 
@@ -223,6 +236,8 @@ if __name__ == "__main__":
             f"must be a multiple of --num_generations {args.num_generations}"
         )
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if not 0 <= args.top_entropy_quantile <= 1:
+        utils.die(f"--top_entropy_quantile must be in [0, 1], got {args.top_entropy_quantile}")
     if args.epsilon < 0 or epsilon_high < 0 or args.beta < 0 or args.num_iterations < 1:
         utils.die("--epsilon, --epsilon_high and --beta must be >= 0 and --num_iterations >= 1")
     k = args.num_generations  # completions per prompt
@@ -488,7 +503,8 @@ if __name__ == "__main__":
         ptx_stats = torch.zeros(stats_shape, device=device)
         skipped_stats = torch.zeros(stats_shape, device=device)
         # token sums, divided by the token count once reduced over processes: token means over the whole update
-        token_stats = torch.zeros((7, *stats_shape), device=device)  # count, entropy, kl, approxkl, low, high, region
+        # count, entropy, kl, approxkl, low, high, region, trained count, trained entropy
+        token_stats = torch.zeros((9, *stats_shape), device=device)
         for epoch in range(args.num_iterations):
             # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
             b_inds = torch.randperm(args.local_prompts, device=device)[:, None] * k
@@ -528,6 +544,12 @@ if __name__ == "__main__":
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.epsilon, 1.0 + epsilon_high)
                         per_token_loss = torch.max(pg_losses, pg_losses2) * is_weight[micro_inds]
+                        trained = mb_mask  # the tokens whose policy loss counts
+                        if args.top_entropy_quantile < 1.0:  # only the highest-entropy tokens (Wang et al. 2025)
+                            pool = accelerator.pad_across_processes(entropy[mb_mask], pad_index=-1.0)
+                            pool = accelerator.gather(pool)
+                            trained = high_entropy_mask(entropy, mb_mask, args.top_entropy_quantile, pool[pool >= 0])
+                            per_token_loss = per_token_loss * trained
                         if args.beta:  # k3, whose gradient in expectation is that of KL(ref || policy)
                             kl = utils.kl_estimate(new_logprobs, ref_logprobs[micro_inds], "k3")
                             per_token_loss = per_token_loss + args.beta * kl
@@ -580,6 +602,8 @@ if __name__ == "__main__":
                                     low[mb_mask].sum(),
                                     high[mb_mask].sum(),
                                     (low | high)[mb_mask].sum(),
+                                    trained.sum(),
+                                    entropy[trained].sum(),
                                 ]
                             ).float()
                             pg_loss_stats[epoch, mb, ga] = pg_loss
@@ -636,7 +660,10 @@ if __name__ == "__main__":
         if args.beta:
             metrics["kl"] = kl_mean
         names = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-        metrics.update(zip(names, token_means[3:]))
+        metrics.update(zip(names, token_means[3:6]))
+        if args.top_entropy_quantile < 1.0:  # the share of tokens that got a policy gradient, and their mean entropy
+            metrics["entropy/trained_fraction"] = token_means[6]
+            metrics["entropy/trained"] = token_means[7] / max(token_means[6], 1e-12)
 
         # copy: write the metrics
         infra.log_metrics(accelerator, writer, args, metrics)

@@ -12,7 +12,7 @@ from conftest import REPO
 from test_rloo import VOWELS, check_ok, read_metrics, reward_keys
 
 sys.path.insert(0, REPO)
-from grpo import aggregate_loss, group_advantages, sequence_log_ratio  # noqa: E402
+from grpo import aggregate_loss, group_advantages, high_entropy_mask, sequence_log_ratio  # noqa: E402
 
 KEYS = (
     "episode eps lr reward reward_std frac_reward_zero_std entropy clip_ratio/low_mean clip_ratio/high_mean"
@@ -356,3 +356,37 @@ def test_gspo_runs_and_differs_from_token_level(run, tmp_path, tiny_model_dir, t
     # the same rollout; the second iteration's ratios are the completions' under GSPO, the tokens' otherwise
     assert rows["token"]["objective/scores"] == rows["sequence"]["objective/scores"]
     assert rows["token"]["val/ratio"] != rows["sequence"]["val/ratio"]
+
+
+@pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])
+def test_high_entropy_mask_matches_a_sort(quantile):
+    """--top_entropy_quantile: the tokens at or above the (1 - q) quantile of the counted tokens' entropies."""
+    torch.manual_seed(1)
+    entropy = torch.rand(5, 7) * 4
+    mask = torch.rand(5, 7) > 0.25
+    values = sorted(entropy[mask].tolist())
+    pos = (len(values) - 1) * (1 - quantile)  # linear interpolation between the two nearest ranks
+    lo, hi = math.floor(pos), math.ceil(pos)
+    threshold = values[lo] + (values[hi] - values[lo]) * (pos - lo)
+    want = [[bool(mask[i, t]) and entropy[i, t].item() >= threshold - 1e-6 for t in range(7)] for i in range(5)]
+    got = high_entropy_mask(entropy, mask, quantile, entropy[mask])
+    assert got.tolist() == want
+    if quantile == 1.0:
+        assert torch.equal(got, mask)  # every counted token
+    if quantile == 0.0:
+        assert got.sum() == 1 and entropy[got].item() == max(values)  # only the highest
+    assert not high_entropy_mask(entropy, mask, quantile, torch.empty(0)).any()
+
+
+def test_top_entropy_quantile_trains_the_high_entropy_fifth(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 16"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8 --temperature 1.0"
+        f" --top_entropy_quantile 0.2 --no_save_model --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert 0.15 <= row["entropy/trained_fraction"] <= 0.3  # a fifth of each micro-batch's tokens, up to ties
+    assert row["entropy/trained"] > row["entropy"]  # the trained tokens are the uncertain ones
