@@ -61,6 +61,9 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
+    entropy_coef: float = 0.0
+    """subtract entropy_coef times each counted token's entropy from its loss: a bonus that keeps the policy from
+    collapsing onto one answer (verl's entropy_coeff, OpenRLHF's entropy_loss_coef); 0: off"""
     top_entropy_quantile: float = 1.0
     """only the tokens whose entropy is in this top fraction of the micro-batch's (all processes') tokens get a policy
     gradient ("Beyond the 80/20 Rule", Wang et al. 2025, who use 0.2; TRL's name): 1 keeps every token, 0 only the
@@ -546,10 +549,12 @@ if __name__ == "__main__":
                         per_token_loss = torch.max(pg_losses, pg_losses2) * is_weight[micro_inds]
                         trained = mb_mask  # the tokens whose policy loss counts
                         if args.top_entropy_quantile < 1.0:  # only the highest-entropy tokens (Wang et al. 2025)
-                            pool = accelerator.pad_across_processes(entropy[mb_mask], pad_index=-1.0)
+                            pool = accelerator.pad_across_processes(entropy[mb_mask].detach(), pad_index=-1.0)
                             pool = accelerator.gather(pool)
                             trained = high_entropy_mask(entropy, mb_mask, args.top_entropy_quantile, pool[pool >= 0])
                             per_token_loss = per_token_loss * trained
+                        if args.entropy_coef:  # the entropy bonus, on every counted token
+                            per_token_loss = per_token_loss - args.entropy_coef * entropy
                         if args.beta:  # k3, whose gradient in expectation is that of KL(ref || policy)
                             kl = utils.kl_estimate(new_logprobs, ref_logprobs[micro_inds], "k3")
                             per_token_loss = per_token_loss + args.beta * kl

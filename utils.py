@@ -493,27 +493,33 @@ class _LogProbs(torch.autograd.Function):
             if with_entropy:
                 entropy[b, t] = log_total - (e * z).sum(-1) / total  # H = log Z - E_p[z]
             picked[b, t] = z.gather(-1, tokens[b, t, None]).squeeze(-1) - log_total
-        ctx.save_for_backward(logits, tokens, lse)
+        ctx.save_for_backward(logits, tokens, lse, entropy if with_entropy else lse)
         ctx.temperature, ctx.budget = temperature, budget
-        if with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an entropy no loss uses gets no gradient, and costs nothing in the backward
         return picked, entropy
 
     @staticmethod
-    def backward(ctx, grad, _):
-        logits, tokens, lse = ctx.saved_tensors
+    def backward(ctx, grad, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        if grad is None:
+            grad = torch.zeros_like(lse)
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
         for b, t in _chunks(logits.shape, ctx.budget):
             # d log p(token) / d logits = (onehot(token) - softmax) / temperature
             g = grad[b, t, None] / ctx.temperature
-            d = (logits[b, t].float() / ctx.temperature - lse[b, t, None]).exp_().mul_(-g)
+            if grad_entropy is None:
+                d = (logits[b, t].float() / ctx.temperature - lse[b, t, None]).exp_().mul_(-g)
+            else:  # an entropy bonus too: d H / d logits = -p (log p + H) / temperature
+                logp = logits[b, t].float() / ctx.temperature - lse[b, t, None]
+                h = (logp + entropy[b, t, None]).mul_(grad_entropy[b, t, None] / ctx.temperature)
+                d = logp.exp_().mul_(-g - h)
             out[b, t] = d.scatter_add_(-1, tokens[b, t, None], g)
         return out, None, None, None, None
 
 
 def logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=False, budget=None):
     """log p(token) per position under softmax(logits / temperature): logits (batch, seq, vocab), tokens (batch, seq)
-    -> (batch, seq), float32; with_entropy: also each position's entropy (batch, seq), without gradient. The same
+    -> (batch, seq), float32; with_entropy: also each position's entropy (batch, seq), with its gradient. The same
     values and gradients as log_softmax, in chunks of about `budget` logits (a GPU's default: 64 MB, since each chunk
     costs a dozen kernel launches)."""
     if budget is None and logits.device.type != "cpu":

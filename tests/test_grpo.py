@@ -390,3 +390,19 @@ def test_top_entropy_quantile_trains_the_high_entropy_fifth(run, tmp_path, tiny_
     (row,) = read_metrics(out)
     assert 0.15 <= row["entropy/trained_fraction"] <= 0.3  # a fifth of each micro-batch's tokens, up to ties
     assert row["entropy/trained"] > row["entropy"]  # the trained tokens are the uncertain ones
+
+
+def test_entropy_bonus_raises_the_entropy(run, tmp_path, eos_model_dir, tiny_prompts_file):
+    entropy = {}
+    for coef in (0.0, 0.5):
+        out = tmp_path / str(coef)
+        proc = run(
+            f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 32"
+            " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8 --temperature 1.0"
+            f" --learning_rate 3e-2 --entropy_coef {coef} --no_save_model --output_dir {out}",
+            cwd=tmp_path,
+        )
+        check_ok(proc)
+        entropy[coef] = [row["entropy"] for row in read_metrics(out)]
+    assert entropy[0.5][0] == pytest.approx(entropy[0.0][0])  # the same first rollout, read before any step
+    assert entropy[0.5][1] > entropy[0.0][1] + 0.05, entropy  # after a step with the bonus, the policy is less certain

@@ -178,7 +178,31 @@ def test_chunked_logprobs_match_autograd_log_softmax(dtype, budget):
     torch.testing.assert_close(utils.logprobs_from_logits(full[:, :-1], tokens, 0.7, budget=budget), want)  # no entropy
     torch.testing.assert_close(entropy, want_entropy)
     torch.testing.assert_close(grad, want_grad)
-    assert not entropy.requires_grad and grad[:, -1].abs().max() == 0  # the dropped position gets no gradient
+    assert grad[:, -1].abs().max() == 0  # the dropped position gets no gradient
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 7])
+@pytest.mark.parametrize("terms", ["both", "entropy"])
+def test_chunked_entropy_gradient_matches_autograd(budget, terms):
+    """An entropy bonus (grpo.py's --entropy_coef): the gradient of the chunked entropy, alone or beside the logprobs',
+    against plain autograd through softmax."""
+    gen = torch.Generator().manual_seed(1)
+    full = 3 * torch.randn(4, 6, 11, generator=gen) + 40
+    tokens = torch.randint(0, 11, (4, 5), generator=gen)
+    weights, bonus = torch.randn(4, 5, generator=gen), torch.randn(4, 5, generator=gen)
+    grads = []
+    for chunked in (True, False):
+        logits = full.clone().requires_grad_(True)
+        if chunked:
+            picked, entropy = utils.logprobs_from_logits(logits[:, :-1], tokens, 0.7, with_entropy=True, budget=budget)
+        else:
+            logp = torch.log_softmax(logits[:, :-1] / 0.7, -1)
+            picked, entropy = logp.gather(-1, tokens[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+        loss = (entropy * bonus).sum() + ((picked * weights).sum() if terms == "both" else 0.0)
+        (grad,) = torch.autograd.grad(loss, logits)
+        grads.append(grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+    assert grads[0][:, -1].abs().max() == 0  # the dropped position gets no gradient
 
 
 def test_left_pad():
