@@ -629,7 +629,7 @@ if __name__ == "__main__":
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
             if engine is not None:  # how far the engine's logprobs are from the trainer's
-                stats.update(zip(["vllm/logprob_diff_mean", "vllm/logprob_diff_max", "vllm/capped_fraction"], vllm_stats))
+                stats.update(vllm_stats)
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
                 stats["objective/kl"] = rollout_kl.sum(1).mean()

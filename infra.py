@@ -814,12 +814,17 @@ def setup(args):
     return accelerator
 
 
+def checkpoints(output_dir):
+    """The complete checkpoints in output_dir, oldest first (one being written ends in .tmp)."""
+    return sorted(glob.glob(os.path.join(output_dir, "checkpoint-*[0-9]")))
+
+
 def open_output_dir(args):
     """The run's name, and args.output_dir (default output/{run_name}). Refuses a --resume without a complete
     checkpoint or with arguments that change what the run computes, and a new run into a folder that holds one."""
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
-    if args.resume and not glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")):
+    if args.resume and not checkpoints(args.output_dir):
         die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
@@ -836,11 +841,12 @@ def resume(accelerator, args):
     """Loads the newest complete checkpoint in output_dir (accelerate: the weights, the optimiser, every process's
     random state, every object registered for checkpointing) and cuts the logs back to it. Returns the state the
     script saved with it, plus its path under "checkpoint"."""
-    path = sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))[-1]
+    path = checkpoints(args.output_dir)[-1]
     accelerator.load_state(path)
     state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+    log_sizes = state.pop("log_sizes")
     if accelerator.is_main_process:  # the rows written past the checkpoint (and a torn last one) go
-        for name, size in state.pop("log_sizes").items():
+        for name, size in log_sizes.items():
             if os.path.exists(os.path.join(args.output_dir, name)):
                 os.truncate(os.path.join(args.output_dir, name), size)
         print(f"resuming from {path} (update {state['update']}, episode {state['episode']})")
@@ -862,12 +868,12 @@ def checkpoint(accelerator, model, args, update, state):
     accelerator.save_state(path + ".tmp")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        logs = [os.path.join(args.output_dir, name) for name in LOGS]
-        log_sizes = {os.path.basename(log): os.path.getsize(log) if os.path.exists(log) else 0 for log in logs}
+        logs = {name: os.path.join(args.output_dir, name) for name in LOGS}
+        log_sizes = {name: os.path.getsize(log) if os.path.exists(log) else 0 for name, log in logs.items()}
         torch.save({**state, "log_sizes": log_sizes}, os.path.join(path + ".tmp", "state.pt"))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(path + ".tmp", path)
-        for old in sorted(glob.glob(os.path.join(args.output_dir, "checkpoint-*[0-9]")))[: -args.keep_checkpoints]:
+        for old in checkpoints(args.output_dir)[: -args.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path

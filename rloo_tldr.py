@@ -540,7 +540,7 @@ if __name__ == "__main__":
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
             if engine is not None:  # how far the engine's logprobs are from the trainer's
-                stats.update(zip(["vllm/logprob_diff_mean", "vllm/logprob_diff_max", "vllm/capped_fraction"], vllm_stats))
+                stats.update(vllm_stats)
 
         # copy: log the update
         means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()

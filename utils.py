@@ -421,8 +421,8 @@ def truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap, l
     RL Training"): the trainer's probability of each sampled token over the engine's, min(ratio, cap), so that a loss
     computed as if the trainer had sampled is corrected for the engine having sampled. level token: one weight per
     token (rows, width), 1 on padding; sequence: one per completion (rows,), the ratio of the completions'
-    probabilities. Returns the weights and (mean |logprob difference| over real tokens, its max, the fraction of
-    weights capped)."""
+    probabilities. Returns the weights and their metrics: the mean |logprob difference| over real tokens, its max, and
+    the fraction of weights capped."""
     real = ~padding_mask
     diff = (logprobs - engine_logprobs).masked_fill(padding_mask, 0.0)
     if level == "sequence":
@@ -431,7 +431,11 @@ def truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap, l
     else:
         ratio = diff.exp()
         capped = ((ratio > cap) & real).sum() / real.sum().clamp(min=1)
-    stats = (diff.abs().sum() / real.sum().clamp(min=1), diff.abs().max(), capped)
+    stats = {
+        "vllm/logprob_diff_mean": diff.abs().sum() / real.sum().clamp(min=1),
+        "vllm/logprob_diff_max": diff.abs().max(),
+        "vllm/capped_fraction": capped,
+    }
     return ratio.clamp(max=cap), stats
 
 

@@ -43,9 +43,9 @@ def test_truncated_importance_weights_match_a_naive_loop():
             capped += pow(2.718281828459045, d) > cap
             assert tokens[i, t].item() == pytest.approx(min(pow(2.718281828459045, d), cap), rel=1e-5)
         assert sequences[i].item() == pytest.approx(min(pow(2.718281828459045, total), cap), rel=1e-5)
-    assert stats[0].item() == pytest.approx(sum(diffs) / real, rel=1e-5)
-    assert stats[1].item() == pytest.approx(max(diffs), rel=1e-5)
-    assert stats[2].item() == pytest.approx(capped / real)
+    assert stats["vllm/logprob_diff_mean"].item() == pytest.approx(sum(diffs) / real, rel=1e-5)
+    assert stats["vllm/logprob_diff_max"].item() == pytest.approx(max(diffs), rel=1e-5)
+    assert stats["vllm/capped_fraction"].item() == pytest.approx(capped / real)
 
 
 ENGINE = """
