@@ -157,8 +157,6 @@ class RunArgs:
             die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
         if self.use_peft and self.lora_r < 1:
             die(f"--lora_r must be at least 1, got {self.lora_r}")
-        if self.use_vllm and self.use_peft:
-            die("--use_vllm does not work with --use_peft yet")
         if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
             die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
         if self.vllm_importance_sampling_cap <= 0:
@@ -805,8 +803,8 @@ def setup(args):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
-    if args.use_vllm and (accelerator.num_processes > 1 or accelerator.distributed_type.value == "DEEPSPEED"):
-        die("--use_vllm runs in one process, without DeepSpeed, for now")
+    if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
+        die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
     seed = args.seed + accelerator.process_index * 100003
     random.seed(seed)
     np.random.seed(seed)
@@ -948,19 +946,27 @@ def finish(accelerator, args, writer, tokenizer, ema, card, engine=None):
     accelerator.end_training()
 
 
-def vllm_engine(args, policy):
+def vllm_engine(accelerator, args, policy):
     """A vLLM engine in this process (TRL's colocate mode) with the policy's architecture and random weights:
-    utils.vllm_sync gives it the policy's before each rollout. It reads no tokenizer (prompts go in as token ids) and
-    reports the logprobs of the distribution it samples from (logits / temperature). On a machine without CUDA it is
-    vLLM's CPU build, given a KV cache of VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and every core."""
+    utils.vllm_sync gives it the policy's before each rollout. With several processes each has an engine that samples
+    its share of the prompts (vLLM's external_launcher: the engines join the processes' torch.distributed world). It
+    reads no tokenizer (prompts go in as token ids) and reports the logprobs of the distribution it samples from
+    (logits / temperature). On a machine without CUDA it is vLLM's CPU build, given a KV cache of
+    VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and this process's share of the cores."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, to sync in place
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // accelerator.num_processes)
+        mine = cores[accelerator.local_process_index * share :][:share] or cores[-share:]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
     try:
         from vllm import LLM
     except ImportError:
         die("--use_vllm needs vLLM: see the README's 'vLLM rollouts' for the one install command")
+    backend = "uni" if args.vllm_tensor_parallel_size == 1 else None
+    if accelerator.num_processes > 1:
+        backend = "external_launcher"
     with tempfile.TemporaryDirectory() as folder:
         policy.config.save_pretrained(folder)
         return LLM(
@@ -975,5 +981,5 @@ def vllm_engine(args, policy):
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             enforce_eager=args.vllm_enforce_eager,
-            distributed_executor_backend="uni" if args.vllm_tensor_parallel_size == 1 else None,
+            distributed_executor_backend=backend,
         )

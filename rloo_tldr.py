@@ -246,7 +246,7 @@ if __name__ == "__main__":
         accelerator.register_for_checkpointing(ema)
     reduce_sum = partial(accelerator.reduce, reduction="sum")  # batch statistics over all processes
     # --use_vllm: a vLLM engine in this process samples the rollouts, given the policy's weights before each one
-    engine = infra.vllm_engine(args, accelerator.unwrap_model(policy)) if args.use_vllm else None
+    engine = infra.vllm_engine(accelerator, args, accelerator.unwrap_model(policy)) if args.use_vllm else None
     score_moments = utils.new_moments()  # --use_score_scaling: every score so far, on all processes
     start_update, episode, last_checkpoint = 1, 0, None
     if args.resume:  # the weights, optimiser, every process's random state and the objects above, then the counters

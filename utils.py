@@ -8,7 +8,7 @@ import inspect
 import math
 import numbers
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -381,14 +381,31 @@ def generate(
 
 
 def vllm_sync(engine, model):
-    """Load model's weights (an unwrapped transformers model) into the vLLM engine in place, and drop the engine's
-    cached prompts (computed with the old weights). The output projection is sent even when tied to the embeddings:
-    the engine keeps its own copy."""
-    state = model.state_dict()
-    head = model.get_output_embeddings()
-    if head is not None and "lm_head.weight" not in state:
-        state["lm_head.weight"] = head.weight
-    engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state.items())))
+    """Load model's weights (an unwrapped transformers model, or a peft model) into the vLLM engine in place, and drop
+    the engine's cached prompts (computed with the old weights). The output projection is sent even when tied to the
+    embeddings: the engine keeps its own copy. Under ZeRO-3 the weights are gathered whole for the copy (each process
+    holds the full model for a moment, as when saving). With LoRA the engine gets each adapted weight plus its
+    adapters' product, computed aside: merging into the model and out again would leave rounding errors in the frozen
+    weights, which are also the reference."""
+    params = list(model.parameters())
+    gathered = nullcontext()
+    if hasattr(params[0], "ds_id"):  # ZeRO-3: every process gathers the same parameters in the same order
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered, torch.no_grad():
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        state = dict(base.state_dict())
+        for name, module in base.named_modules():
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):  # a LoRA layer
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+                state[f"{name}.base_layer.weight"] = module.base_layer.weight + delta
+        # peft's names back to the model's: q_proj.base_layer.weight -> q_proj.weight, adapters' own weights dropped
+        state = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+        head = base.get_output_embeddings()
+        if head is not None and "lm_head.weight" not in state:
+            state["lm_head.weight"] = head.weight
+        engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state.items())))
     engine.reset_prefix_cache()
 
 

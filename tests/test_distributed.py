@@ -116,7 +116,9 @@ def assert_same_run(one, two, script):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (key, a["episode"])
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
-    assert a.keys() == b.keys()
+    for key in b.keys() - a.keys():  # DeepSpeed's state dict is cloned, so a tied output projection is written too
+        assert key == "lm_head.weight" and torch.equal(b[key], b["model.embed_tokens.weight"])
+    assert a.keys() <= b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 

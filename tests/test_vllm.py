@@ -3,8 +3,6 @@ engine's logprobs against the trainer's, the weight sync, truncated importance s
 with it as a user would: learning, and a kill -9 then --resume giving the uninterrupted run."""
 
 import importlib.util
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -57,7 +55,7 @@ from transformers import AutoModelForCausalLM
 policy = AutoModelForCausalLM.from_pretrained({model!r}).eval()
 args = types.SimpleNamespace(bf16=False, seed=1, max_prompt_length=32, response_length=12, vllm_gpu_memory_utilization=0.3,
                              vllm_tensor_parallel_size=1, vllm_enforce_eager=True)
-engine = infra.vllm_engine(args, policy)
+engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0), args, policy)
 queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
 
 def worst(model, seeds):
@@ -101,16 +99,32 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
         stale = worst(policy, seeds=[1, 2, 3])[0]  # not synced: the engine still samples from the old weights
         utils.vllm_sync(engine, policy)
         after = worst(policy, seeds=[1, 2, 3])[0]
-        print("RESULT", before, bool(torch.equal(first, again)), stale, after)
+
+        # LoRA: the engine gets each adapted weight plus its adapters' product, and the model's weights stay as they were
+        from peft import LoraConfig, get_peft_model
+        frozen = {n: p.clone() for n, p in policy.named_parameters()}
+        lora = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        with torch.no_grad():  # trained adapters (lora_B starts at zero: the product would be nothing)
+            for name, p in lora.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        lora_stale = worst(lora, seeds=[1, 2, 3])[0]
+        utils.vllm_sync(engine, lora)
+        lora_after = worst(lora, seeds=[1, 2, 3])[0]
+        now = {n.replace(".base_layer", ""): p for n, p in lora.get_base_model().named_parameters() if "lora_" not in n}
+        untouched = now.keys() == frozen.keys() and all(torch.equal(now[n], p) for n, p in frozen.items())
+        print("RESULT", before, bool(torch.equal(first, again)), stale, after, lora_stale, lora_after, untouched)
         """,
         tiny_llama_dir,
         eos,
         tmp_path,
     )
-    before, same, stale, after = out.split("RESULT")[1].split()
+    before, same, stale, after, lora_stale, lora_after, untouched = out.split("RESULT")[1].split()
     assert float(before) < 1e-4 and float(after) < 1e-4  # fp32: the engine's distribution is the trainer's
     assert same == "True"  # the same seeds, the same samples
     assert float(stale) > 1e-2  # so the test would see a sync that did nothing
+    assert float(lora_after) < 1e-4 and float(lora_stale) > 1e-2  # the policy with its adapters, not without
+    assert untouched == "True"  # the frozen weights (also the reference) are not rounded by a merge and unmerge
 
 
 def vllm_command(script, model, prompts, out, extra=""):
@@ -149,29 +163,21 @@ def test_learns_as_fast_per_episode_as_without_vllm(script, run, tmp_path, tiny_
 
 
 @needs_vllm
-def test_kill_then_resume_with_vllm_gives_the_uninterrupted_metrics(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
+def test_bf16_and_gradient_checkpointing_run_with_vllm(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """A bf16 engine (and trainer) with gradient checkpointing: the run goes through, and the mismatch metrics see
+    the bf16 engine's logprobs differ from the trainer's where fp32's agree within 1e-4."""
     (tmp_path / "reward.py").write_text(VOWELS)
-    extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 96 --per_device_train_batch_size 8 --checkpoint_every 1"
-    full = tmp_path / "full"
-    check_ok(run(vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, full, extra), cwd=tmp_path))
-    rows = read_metrics(full)
-
-    cut = tmp_path / "cut"
-    script, *args = vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, cut, extra).split()
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, script), *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    assert kill_after_rows(proc, cut, 3) < len(rows)
-    check_ok(run(vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, cut, extra + " --resume"), cwd=tmp_path))
-    without_eps = [[{k: v for k, v in r.items() if k != "eps"} for r in x] for x in (rows, read_metrics(cut))]
-    assert without_eps[0] == without_eps[1]
-    shutil.rmtree(cut)
+    extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 16 --no_save_model"
+    check_ok(run(vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, tmp_path / "out",
+                              f"{extra} --bf16 --gradient_checkpointing"), cwd=tmp_path))  # fmt: skip
+    (row,) = read_metrics(tmp_path / "out")
+    assert 1e-4 < row["vllm/logprob_diff_mean"] < 0.05 and row["vllm/logprob_diff_max"] < 0.5, row
 
 
 @needs_vllm
 def test_refusals_are_one_line(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
     for script, extra, expected in [
         ("ppo.py", "--vllm_tensor_parallel_size 0", "error: --vllm_gpu_memory_utilization must be in (0, 1]"),
-        ("grpo.py", "--use_peft", "error: --use_vllm does not work with --use_peft yet"),
         ("grpo.py", "--vllm_importance_sampling_cap 0", "error: --vllm_importance_sampling_cap must be positive"),
     ]:
         proc = run(f"{script} --use_vllm --model_name_or_path {tiny_llama_dir} --dataset_name {tiny_prompts_file} {extra}",
@@ -194,3 +200,62 @@ def test_the_importance_weights_scale_the_loss(script, run, tmp_path, tiny_llama
         losses[cap] = row["loss/policy_avg"]
         assert row["vllm/capped_fraction"] == (1.0 if cap < 1 else 0.0)
     assert losses[1e-9] == pytest.approx(losses[3.0] * 1e-9, rel=1e-3, abs=1e-15) and losses[3.0] != 0
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory, tiny_llama_dir, tiny_prompts_file):
+    """rloo.py with --use_vllm, 16 completions per update in micro-batches of 4; the one-process run made once."""
+    from test_distributed import launch
+
+    folder = tmp_path_factory.mktemp("vllm_runs")
+    (folder / "reward.py").write_text(VOWELS)
+    args = (
+        f"--rloo_k 4 {EAGER} --model_name_or_path {tiny_llama_dir} --dataset_name {tiny_prompts_file}"
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --per_device_train_batch_size 4 --num_ppo_epochs 2"
+        " --response_length 8 --temperature 1.0 --learning_rate 1e-3 --num_sample_generations 0"
+    )
+    one = folder / "one"
+    check_ok(launch(1, "rloo.py", f"{args} --gradient_accumulation_steps 4 --output_dir {one}", folder))
+    return args, one
+
+
+@needs_vllm
+@pytest.mark.parametrize("config", ["plain", "zero2", "zero3"])
+def test_two_processes_with_vllm_match_one(config, tmp_path, vllm_runs):
+    """An engine in each process samples that process's share of the prompts with the seeds the one-process run gives
+    them, so two processes x 2 micro-batches give the one-process run's completions, metrics and model, under each
+    shipped way to run several processes (under ZeRO-3 the sync gathers the sharded weights)."""
+    from test_distributed import assert_same_run, launch, shipped_config
+
+    args, one = vllm_runs
+    two = tmp_path / "two"
+    proc = launch(2, "rloo.py", f"{args} --gradient_accumulation_steps 2 --output_dir {two}", tmp_path,
+                  shipped_config(config, 2, tmp_path))  # fmt: skip
+    check_ok(proc)
+    assert "world_size=2" in proc.stdout
+    assert_same_run(one, two, "rloo.py")
+    rows = read_metrics(two)
+    assert all(r["vllm/logprob_diff_max"] < 1e-3 for r in rows)  # each engine has the policy's current weights
+    assert rows[0]["objective/scores"] != rows[-1]["objective/scores"]
+
+
+@needs_vllm
+def test_kill_then_resume_with_vllm_under_two_processes(tmp_path, vllm_runs):
+    """kill -9 of the launcher and both processes, each with its engine, while they train under ZeRO-3 (possibly
+    mid-checkpoint), then --resume: the uninterrupted run's metrics. The engines' seeds come from the data's generator,
+    which the checkpoint holds, so the resumed rollouts are the ones the uninterrupted run sampled."""
+    from test_distributed import launch, shipped_config
+    from test_reliability import without_eps
+
+    args = vllm_runs[0].replace("--total_episodes 48", "--total_episodes 96") + " --gradient_accumulation_steps 2"
+    args += " --checkpoint_every 1 --no_save_model"
+    config = shipped_config("zero3", 2, tmp_path)
+    check_ok(launch(2, "rloo.py", f"{args} --output_dir {tmp_path / 'full'}", tmp_path, config))
+    expected = read_metrics(tmp_path / "full")
+    assert len(expected) == 6
+
+    cut = tmp_path / "cut"
+    proc = launch(2, "rloo.py", f"{args} --output_dir {cut}", tmp_path, config, wait=False)
+    assert 3 <= kill_after_rows(proc, cut, 3, group=True) < 6
+    check_ok(launch(2, "rloo.py", f"{args} --output_dir {cut} --resume", tmp_path, config))
+    assert without_eps(read_metrics(cut)) == without_eps(expected)
