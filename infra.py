@@ -33,7 +33,16 @@ from accelerate.utils import gather_object
 from rich.pretty import pprint
 from torch.utils.tensorboard import SummaryWriter
 
-from utils import BUILTIN_REWARDS, die, generate, left_pad, rm_scores, same_vocabulary, truncate_response
+from utils import (
+    BUILTIN_REWARDS,
+    die,
+    generate,
+    get_scores,
+    left_pad,
+    same_vocabulary,
+    truncate_response,
+    weighted_scores,
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the flags every script takes besides its algorithm's
@@ -117,7 +126,7 @@ class RunArgs:
     use_vllm: bool = False
     """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
     each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by truncated importance
-    sampling (see README: vLLM rollouts). Needs vLLM installed; one process, no LoRA or DeepSpeed yet"""
+    sampling (see README: vLLM rollouts). Needs vLLM installed; with several processes each has an engine"""
     vllm_gpu_memory_utilization: float = 0.3
     """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
     vllm_tensor_parallel_size: int = 1
@@ -349,6 +358,25 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
     return queries, texts, refs, columns
 
 
+def draw_prompts(data, args, k, process_index):
+    """This process's share of the next global batch of prompts, drawn from `data` (a Shuffled) and its generator:
+    (the prompts' indices, the uniforms (prompts * k, response_length) that pick every sampled token, this update's
+    most tokens per completion, the vLLM engine's seeds (prompts,) or None). The noise is drawn for the global batch,
+    so a completion depends on the seed and its place in that batch, not on the process that samples it; the same on
+    every process and again in a resumed run."""
+    idx = data.take(args.local_prompts * args.world_size)
+    uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
+    # TRL's LengthSampler: drawn after the uniforms (whose first columns it uses)
+    max_length = args.response_length
+    if args.response_length_min is not None:
+        max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
+    # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
+    seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
+    mine = slice(process_index * args.local_prompts, (process_index + 1) * args.local_prompts)
+    uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
+    return idx[mine], uniforms, max_length, seeds[mine] if args.use_vllm else None
+
+
 class Shuffled:
     """Draws indices of n items without replacement from a reshuffle per pass, from a generator seeded with `seed`, so
     every process draws the same. state_dict/load_state_dict let a checkpoint hold the position (and the generator,
@@ -537,24 +565,39 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
 
 
 @torch.no_grad()
-def evaluate(
-    accelerator,
-    model,
-    tokenizer,
-    reward_model,
-    rm_tokenizer,
-    eval_set,
-    response_length,
-    stop_token_id,
-    batch_size,
-):
-    """Greedy completions of the eval prompts and their reward-model scores; the samples (prompt, reference, completion,
-    score) are what benchmark/judge_tldr.py judges after the run. eval_set = (queries, prompt texts, references) from
-    load_prompts. Each process takes every world_size-th prompt. Returns (metrics, samples) on the main process, (None,
-    None) on the others. model: the policy as accelerate prepared it (PPO's PolicyAndValue: its policy)."""
+def load_eval(args, tokenizer, columns):
+    """The held-out prompts of --eval_dataset_name (split --eval_split), read as the training prompts are, as
+    (queries, texts, references (None), columns); refuses bad evaluation flags and a set without the columns the
+    reward functions read, before any work."""
+    if args.eval_every < 0 or args.num_eval_generations < 0 or args.eval_batch_size < 1:
+        die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
+    queries, texts, references, eval_columns = load_prompts(
+        args.eval_dataset_name,
+        split=args.eval_split,
+        prompt_field=args.prompt_field,
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
+    )
+    missing = sorted(set(columns) - set(eval_columns))
+    if missing:
+        die(f"--eval_dataset_name {args.eval_dataset_name!r} lacks the training set's column(s) {missing}")
+    return queries, texts, references, eval_columns
+
+
+def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, stop_token_id, batch_size, k=0,
+             temperature=1.0, seed=0):  # fmt: skip
+    """Completions of the held-out prompts scored by the reward sources (the weighted score, as in training): a greedy
+    one per prompt (eval/scores: with a 0/1 reward such as accuracy, pass@1), and with k > 0, k sampled at temperature
+    (eval/mean@k, the mean score of the samples; eval/pass@k, the mean over prompts of the best sample's score: with a
+    0/1 reward, the share of prompts some sample solved). The samples draw their noise from a generator of their own
+    seeded with `seed`, by prompt, so an evaluation is the same on any number of processes and in a resumed run.
+    eval_set = (queries, texts, references or None, columns). Each process takes every world_size-th prompt. Returns
+    (metrics, samples) on the main process, (None, None) on the others; the samples (prompt, reference, completion,
+    score, ...) are what benchmark/judge_tldr.py judges. model: the policy as accelerate prepared it (PPO's
+    PolicyAndValue: its policy)."""
     policy = accelerator.unwrap_model(model)
     policy = getattr(policy, "policy", policy)
-    queries, texts, references = eval_set
+    queries, texts, references, columns = eval_set
     device = accelerator.device
     synced = zero3(accelerator)
     mine = list(range(accelerator.process_index, len(queries), accelerator.num_processes))
@@ -562,57 +605,84 @@ def evaluate(
     # every process runs as many batches as the others (under ZeRO-3 each forward pass needs all of them): one with a
     # prompt fewer repeats one and drops its copy's sample
     mine += [mine[-1] if mine else 0] * (-(-len(queries) // accelerator.num_processes) - len(mine))
+    # the sampling noise of prompt i's k samples, the same whichever process evaluates it
+    uniforms = torch.rand((len(queries), k, response_length), generator=torch.Generator().manual_seed(seed)) if k else None
+
+    def complete(idx, repeat, noise):
+        """Completions of the prompts idx, each `repeat` times (greedy without noise), their scores and lengths."""
+        query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
+        query = query.repeat_interleave(repeat, 0).to(device)
+        query_mask = query_mask.repeat_interleave(repeat, 0).to(device)
+        response = generate(
+            policy,
+            query,
+            query_mask,
+            response_length=response_length,
+            temperature=temperature if noise is not None else 0.0,
+            stop_token_id=stop_token_id,
+            uniforms=noise,
+            synced=synced,
+        )
+        response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+        rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
+        per_source = get_scores(
+            sources,
+            tokenizer=tokenizer,
+            query_responses=torch.cat([query, response], 1),
+            mask=torch.cat([query_mask, rmask], 1),
+            context_length=query.shape[1],
+            lengths=lengths,
+            prompts=[texts[i] for i in idx for _ in range(repeat)],
+            columns={name: [values[i] for i in idx for _ in range(repeat)] for name, values in columns.items()},
+            stop_token_id=stop_token_id,
+        )
+        scores = weighted_scores(per_source, sources)[0]
+        stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
+        completions = tokenizer.batch_decode(response, skip_special_tokens=True)
+        return completions, per_source, scores, lengths, stopped
+
     samples = []
-    with accelerator.autocast():  # the precision the policy trains in
+    with torch.no_grad(), accelerator.autocast():  # the precision the policy trains in
         for start in range(0, len(mine), batch_size):
             idx = mine[start : start + batch_size]
-            query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
-            query, query_mask = query.to(device), query_mask.to(device)
-            response = generate(
-                policy,
-                query,
-                query_mask,
-                response_length=response_length,
-                temperature=0.0,  # greedy
-                stop_token_id=stop_token_id,
-                synced=synced,
-            )
-            response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
-            rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
-            query_response, mask = torch.cat([query, response], 1), torch.cat([query_mask, rmask], 1)
-            scores = rm_scores(
-                reward_model,
-                rm_tokenizer=rm_tokenizer,
-                tokenizer=tokenizer,
-                query_responses=query_response,
-                mask=mask,
-                context_length=query.shape[1],
-                lengths=lengths,
-                stop_token_id=stop_token_id,
-            )
-            stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
-            completions = tokenizer.batch_decode(response, skip_special_tokens=True)
+            completions, per_source, scores, lengths, stopped = complete(idx, 1, None)
+            if k:  # (prompts * k, ...): row j * k + i is prompt j's i-th sample
+                noise = uniforms[idx].reshape(-1, response_length).to(device)
+                sampled, _, sampled_scores, _, _ = complete(idx, k, noise)
             for j, i in enumerate(idx[: max(0, real - start)]):
-                samples.append(
-                    {
-                        "index": i,
-                        "prompt": texts[i],
-                        "reference": references[i],
-                        "completion": completions[j].strip(),
-                        "score": scores[j].item(),
-                        "length": lengths[j].item(),
-                        "stopped": bool(stopped[j]),
-                    }
-                )
+                sample = {
+                    "index": i,
+                    "prompt": texts[i],
+                    "reference": references[i] if references is not None else None,
+                    "completion": completions[j].strip(),
+                    "score": scores[j].item(),
+                    "length": lengths[j].item(),
+                    "stopped": bool(stopped[j]),
+                }
+                if len(sources) > 1:
+                    sample["rewards"] = {s["name"]: per_source[n, j].item() for n, s in enumerate(sources)}
+                if k:
+                    sample["samples"] = [
+                        {"completion": sampled[j * k + r].strip(), "score": sampled_scores[j * k + r].item()} for r in range(k)
+                    ]
+                samples.append(sample)
     samples = gather_object(samples)
     if not accelerator.is_main_process:
         return None, None
     samples.sort(key=lambda s: s["index"])
+    n = len(samples)
     metrics = {
-        "eval/scores": sum(s["score"] for s in samples) / len(samples),
-        "eval/response_length": sum(s["length"] for s in samples) / len(samples),
-        "eval/stopped_fraction": sum(s["stopped"] for s in samples) / len(samples),
+        "eval/scores": sum(s["score"] for s in samples) / n,
+        "eval/response_length": sum(s["length"] for s in samples) / n,
+        "eval/stopped_fraction": sum(s["stopped"] for s in samples) / n,
     }
+    if len(sources) > 1:  # each source's mean over the greedy completions it scored
+        for s in sources:
+            values = [x["rewards"][s["name"]] for x in samples if not math.isnan(x["rewards"][s["name"]])]
+            metrics[f"eval/rewards/{s['name']}"] = sum(values) / len(values) if values else math.nan
+    if k:
+        metrics[f"eval/mean@{k}"] = sum(x["score"] for s in samples for x in s["samples"]) / (n * k)
+        metrics[f"eval/pass@{k}"] = sum(max(x["score"] for x in s["samples"]) for s in samples) / n
     return metrics, samples
 
 
@@ -801,6 +871,8 @@ def setup(args):
     # every process would need the whole policy to average it
     if args.ema_beta is not None and zero3(accelerator):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if getattr(args, "max_sampling_rounds", 1) < 1:  # rloo.py's and grpo.py's --dynamic_sampling
+        die(f"--max_sampling_rounds must be at least 1, got {args.max_sampling_rounds}")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
@@ -847,6 +919,8 @@ def resume(accelerator, args):
         for name, size in log_sizes.items():
             if os.path.exists(os.path.join(args.output_dir, name)):
                 os.truncate(os.path.join(args.output_dir, name), size)
+        if os.path.exists(os.path.join(args.output_dir, "eval.json")):  # its rows past the checkpoint went too
+            write_eval_json(args.output_dir)
         print(f"resuming from {path} (update {state['update']}, episode {state['episode']})")
     return {**state, "checkpoint": path}
 

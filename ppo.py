@@ -128,6 +128,18 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
     max_prompt_length: int = 128
     """prompts longer than this many tokens are dropped"""
+    eval_dataset_name: Optional[str] = None
+    """held-out prompts to evaluate on (read as --dataset_name, with the columns the reward functions need), every
+    --eval_every episodes, before training and at the end; None: no evaluation"""
+    eval_split: str = "test"
+    """the split of --eval_dataset_name"""
+    eval_every: int = 0
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    num_eval_generations: int = 0
+    """completions sampled per held-out prompt at --temperature besides the greedy one, for eval/mean@k and
+    eval/pass@k (0: greedy only)"""
+    eval_batch_size: int = 64
+    """held-out prompts per generation pass in the evaluation, per process"""
     # end copy
 
     # optimisation
@@ -259,6 +271,7 @@ if __name__ == "__main__":
     )
     # the reward sources, in --reward_weights' order: reward models, then functions
     sources = infra.load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=args.reward_model_path)
+    eval_set = infra.load_eval(args, tokenizer, columns) if args.eval_dataset_name else None
     ptx_texts = infra.load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
     # end copy
 
@@ -362,6 +375,32 @@ if __name__ == "__main__":
     writer = infra.open_logs(accelerator, args, run_name, episode)  # args.json, TensorBoard and wandb
     sample_every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
 
+    # copy: held-out evaluation (policy->model)
+    def evaluate(episode):
+        """--eval_dataset_name: greedy (and --num_eval_generations sampled) completions of the held-out prompts,
+        scored by every reward source; a metrics row, and the samples in output_dir/eval_samples"""
+        if eval_set is None:
+            return
+        eval_metrics, samples = infra.evaluate(
+            accelerator,
+            model=model,
+            tokenizer=tokenizer,
+            sources=sources,
+            eval_set=eval_set,
+            response_length=args.response_length,
+            stop_token_id=stop_token_id,
+            batch_size=args.eval_batch_size,
+            k=args.num_eval_generations,
+            temperature=args.temperature,
+            seed=args.seed + episode,  # the same samples in a resumed run
+        )
+        if accelerator.is_main_process:
+            infra.record_eval(args.output_dir, episode=episode, metrics=eval_metrics, samples=samples, writer=writer)
+
+    if not args.resume:  # before training: the curves' first point
+        evaluate(episode)
+    # end copy
+
     # copy: ppo loop
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     start_episode, start_time = episode, time.time()
@@ -379,20 +418,11 @@ if __name__ == "__main__":
         # end copy
 
         # copy: draw prompts
-        idx = data.take(args.local_prompts * args.world_size)
-        # the random numbers that pick every sampled token, for the global batch: a completion depends on the seed and
-        # its place in the global batch, not on the process that samples it
-        uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
-        # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
-        # it uses), the same on every process and again in a resumed run
-        max_length = args.response_length
-        if args.response_length_min is not None:
-            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
-        # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
-        seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
-        mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
-        idx, seeds = idx[mine], seeds[mine] if args.use_vllm else None
-        uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
+        # this process's share of the next global batch of prompts, and the noise that samples their completions
+        idx, uniforms, max_length, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
+        # end copy
+
+        # copy: prompt rows
         queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
         # so the forward passes can run each prompt once (utils.forward_grouped)
@@ -722,6 +752,13 @@ if __name__ == "__main__":
                 kl_horizon=args.kl_horizon,
                 n_steps=args.batch_size,
             )
+        # end copy
+
+        # copy: evaluate
+        # every eval_every episodes and at the end, before the checkpoint (which then follows every row)
+        crossed = args.eval_every and episode // args.eval_every > (episode - args.batch_size) // args.eval_every
+        if update == args.num_updates or crossed:
+            evaluate(episode)
         # end copy
 
         # after the metrics row, so that a resumed run neither repeats nor loses one; complete or absent (written,

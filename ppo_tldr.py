@@ -277,7 +277,8 @@ if __name__ == "__main__":
         reference_field=args.reference_field,
         long_prompts=args.eval_long_prompts,
     )
-    eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
+    first = slice(args.eval_examples)
+    eval_set = (eval_queries[first], eval_texts[first], eval_refs[first], {})  # the reward model reads no columns
     # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), then functions
     sources = infra.load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=[args.reward_model_path])
     ptx_texts = infra.load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
@@ -391,8 +392,7 @@ if __name__ == "__main__":
             accelerator,
             model=model,
             tokenizer=tokenizer,
-            reward_model=sources[0]["model"],
-            rm_tokenizer=sources[0]["tokenizer"],
+            sources=sources[:1],  # the reward model
             eval_set=eval_set,
             response_length=args.response_length,
             stop_token_id=stop_token_id,
@@ -401,8 +401,6 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             infra.record_eval(args.output_dir, episode=episode, metrics=eval_metrics, samples=samples, writer=writer)
 
-    if args.resume and accelerator.is_main_process:  # the eval rows past the checkpoint went with metrics.jsonl's
-        infra.write_eval_json(args.output_dir)
     if not args.resume:  # the SFT model's evaluation, the baseline of the curves
         evaluate_and_record(episode)
     # end copy
@@ -424,20 +422,11 @@ if __name__ == "__main__":
         # end copy
 
         # copy: draw prompts
-        idx = data.take(args.local_prompts * args.world_size)
-        # the random numbers that pick every sampled token, for the global batch: a completion depends on the seed and
-        # its place in the global batch, not on the process that samples it
-        uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
-        # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
-        # it uses), the same on every process and again in a resumed run
-        max_length = args.response_length
-        if args.response_length_min is not None:
-            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
-        # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
-        seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
-        mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
-        idx, seeds = idx[mine], seeds[mine] if args.use_vllm else None
-        uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
+        # this process's share of the next global batch of prompts, and the noise that samples their completions
+        idx, uniforms, max_length, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
+        # end copy
+
+        # copy: prompt rows
         queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
         # so the forward passes can run each prompt once (utils.forward_grouped)

@@ -51,6 +51,14 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     """a micro-batch whose mean sequence probability ratio exceeds this contributes no gradient (TRL)"""
     normalize_advantage: bool = False
     """normalise advantages to zero mean and unit std over the batch"""
+    # copy: dynamic sampling args
+    dynamic_sampling: bool = False
+    """drop the groups whose completions all got the same score (no advantage, no gradient) and fill the batch with
+    groups of new prompts, generated in further rounds (DAPO's dynamic sampling)"""
+    max_sampling_rounds: int = 3
+    """with --dynamic_sampling, the most generation rounds per update, the first included; a batch still short then is
+    filled with dropped groups, earliest first"""
+    # end copy
     # copy: score transforms
     use_score_scaling: bool = False
     """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
@@ -185,7 +193,8 @@ if __name__ == "__main__":
         reference_field=args.reference_field,
         long_prompts=args.eval_long_prompts,
     )
-    eval_set = (eval_queries[: args.eval_examples], eval_texts[: args.eval_examples], eval_refs[: args.eval_examples])
+    first = slice(args.eval_examples)
+    eval_set = (eval_queries[first], eval_texts[first], eval_refs[first], {})  # the reward model reads no columns
     # the reward sources, in --reward_weights' order: the TL;DR reward model (also the evaluation's), then functions
     sources = infra.load_reward_sources(args, tokenizer, columns=columns, reward_model_paths=[args.reward_model_path])
     ptx_texts = infra.load_ptx(args, tokenizer) if args.ptx_coef > 0 else None
@@ -266,8 +275,7 @@ if __name__ == "__main__":
             accelerator,
             model=policy,
             tokenizer=tokenizer,
-            reward_model=sources[0]["model"],
-            rm_tokenizer=sources[0]["tokenizer"],
+            sources=sources[:1],  # the reward model
             eval_set=eval_set,
             response_length=args.response_length,
             stop_token_id=stop_token_id,
@@ -276,10 +284,100 @@ if __name__ == "__main__":
         if accelerator.is_main_process:
             infra.record_eval(args.output_dir, episode=episode, metrics=eval_metrics, samples=samples, writer=writer)
 
-    if args.resume and accelerator.is_main_process:  # the eval rows past the checkpoint went with metrics.jsonl's
-        infra.write_eval_json(args.output_dir)
     if not args.resume:  # the SFT model's evaluation, the baseline of the curves
         evaluate_and_record(episode)
+    # end copy
+
+    # copy: dynamic sampler
+    def sample_groups(idx, uniforms, seeds, max_length):
+        """--dynamic_sampling (DAPO, Yu et al. 2025): a group whose completions all got the same score has no advantage
+        to learn from. Generates and scores the groups of this process's prompts idx, then of further batches of
+        prompts drawn as the first (at most --max_sampling_rounds rounds, as many on every process), until every
+        process has local_prompts groups whose scores differ; keeps the first of them, in order (a batch still short
+        is filled with dropped groups, earliest first). Returns the kept prompts, their completions as generated
+        (prompts * k, width), the engine's logprobs of them (--use_vllm; else None) and the sampling's metrics."""
+        unwrapped = accelerator.unwrap_model(policy)
+        if engine is not None:
+            utils.vllm_sync(engine, unwrapped)
+        chunk = args.local_rollout_forward_batch_size
+        groups, keep = [], []  # (prompt, completions, engine logprobs) per group; whether its scores differ
+        for rounds in range(1, args.max_sampling_rounds + 1):
+            if rounds > 1:  # every round generates up to the update's max_length
+                idx, uniforms, _, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
+            queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+            queries = queries.repeat_interleave(k, 0).to(device)  # (prompts * k, query_len), as the rollout's
+            query_mask = query_mask.repeat_interleave(k, 0).to(device)
+            texts = [prompt_texts[i] for i in idx for _ in range(k)]
+            row_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
+            if engine is not None:
+                sampled, engine_logprobs = utils.vllm_generate(
+                    engine,
+                    queries[::k],
+                    query_mask[::k],
+                    k=k,
+                    max_tokens=max_length,
+                    temperature=args.temperature,
+                    stop_token_id=stop_token_id,
+                    seeds=seeds,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            responses, per_source = [], []
+            for i in range(0, len(queries), chunk):  # the rollout's chunks: the rollout's completions
+                query, qmask = queries[i : i + chunk], query_mask[i : i + chunk]
+                if engine is not None:
+                    response = sampled[i : i + chunk]
+                else:
+                    response = utils.generate(
+                        model=unwrapped,
+                        queries=query,
+                        query_mask=qmask,
+                        response_length=max_length,
+                        temperature=args.temperature,
+                        stop_token_id=stop_token_id,
+                        uniforms=uniforms[i : i + chunk],
+                        group=rollout_group,
+                        synced=infra.zero3(accelerator),
+                    )
+                truncated, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
+                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
+                per_source.append(
+                    utils.get_scores(
+                        sources,
+                        tokenizer=tokenizer,
+                        query_responses=torch.cat([query, truncated], 1),
+                        mask=torch.cat([qmask, rmask], 1),
+                        context_length=queries.shape[1],
+                        lengths=length,
+                        prompts=texts[i : i + chunk],
+                        columns={name: values[i : i + chunk] for name, values in row_columns.items()},
+                        stop_token_id=stop_token_id,
+                    )
+                )
+                responses.append(response)
+            responses = utils.pad_cat(responses, tokenizer.pad_token_id)
+            # the score the advantages see: the sources' weighted sum, less the missing-EOS penalty
+            scores, scored = utils.weighted_scores(torch.cat(per_source, 1), sources)
+            if stop_token_id is not None and args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~(responses == stop_token_id).any(1)).float()
+            keep += utils.distinct_groups(scores, scored, k).tolist()
+            for j, i in enumerate(idx):
+                rows = slice(j * k, (j + 1) * k)
+                groups.append((i, responses[rows], engine_logprobs[rows] if engine is not None else None))
+            short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=device))
+            if short.item() == 0:  # every process has enough
+                break
+        chosen, filled = utils.select_groups(keep, args.local_prompts)
+        idx = [groups[g][0] for g in chosen]
+        sampled = utils.pad_cat([groups[g][1] for g in chosen], tokenizer.pad_token_id)
+        engine_logprobs = None
+        if engine is not None:
+            engine_logprobs = utils.pad_cat([groups[g][2] for g in chosen], utils.INVALID_LOGPROB)
+        counts = torch.tensor([len(keep), len(keep) - sum(keep), filled], device=device, dtype=torch.float)
+        generated, dropped, filled = reduce_sum(counts).tolist()  # groups, on all processes
+        stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/generated": generated}
+        stats.update({"dynamic_sampling/dropped": dropped, "dynamic_sampling/filled": filled})
+        return idx, sampled, engine_logprobs, stats
+
     # end copy
 
     # copy: rloo loop
@@ -300,20 +398,17 @@ if __name__ == "__main__":
             group["lr"] = lr
 
         # copy: draw prompts
-        idx = data.take(args.local_prompts * args.world_size)
-        # the random numbers that pick every sampled token, for the global batch: a completion depends on the seed and
-        # its place in the global batch, not on the process that samples it
-        uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
-        # TRL's LengthSampler: this update's most tokens per completion, drawn after the uniforms (whose first columns
-        # it uses), the same on every process and again in a resumed run
-        max_length = args.response_length
-        if args.response_length_min is not None:
-            max_length = torch.randint(args.response_length_min, args.response_length + 1, (), generator=data.rng).item()
-        # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
-        seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
-        mine = slice(accelerator.process_index * args.local_prompts, (accelerator.process_index + 1) * args.local_prompts)
-        idx, seeds = idx[mine], seeds[mine] if args.use_vllm else None
-        uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
+        # this process's share of the next global batch of prompts, and the noise that samples their completions
+        idx, uniforms, max_length, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
+        # end copy
+
+        # copy: dynamic sampling
+        sampled, dynamic_stats = None, {}  # completions made before the rollout (--dynamic_sampling's); none
+        if args.dynamic_sampling:
+            idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
+        # end copy
+
+        # copy: prompt rows
         queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
         # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
         # so the forward passes can run each prompt once (utils.forward_grouped)
@@ -330,7 +425,8 @@ if __name__ == "__main__":
             unwrapped = accelerator.unwrap_model(policy)
             responses, logprobs, ref_logprobs, full_kls, per_source, lengths = [], [], [], [], [], []
             # copy: generate a chunk
-            if engine is not None:  # --use_vllm: the engine samples the whole batch, with the policy's weights
+            if engine is not None and sampled is None:  # --use_vllm: the engine samples the whole batch, with the
+                # policy's weights
                 utils.vllm_sync(engine, unwrapped)
                 sampled, engine_logprobs = utils.vllm_generate(
                     engine,
@@ -346,7 +442,7 @@ if __name__ == "__main__":
             for i in range(0, len(queries), args.local_rollout_forward_batch_size):
                 query = queries[i : i + args.local_rollout_forward_batch_size]
                 qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                if engine is not None:
+                if sampled is not None:  # the engine's or --dynamic_sampling's
                     response = sampled[i : i + args.local_rollout_forward_batch_size]
                 else:
                     response = utils.generate(
@@ -557,6 +653,7 @@ if __name__ == "__main__":
         if args.response_length_min is not None:
             metrics["completions/max_length_allowed"] = max_length
         # end copy
+        metrics.update(dynamic_stats)  # --dynamic_sampling: its rounds and groups
 
         # copy: write the metrics
         infra.log_metrics(accelerator, writer, args, metrics)

@@ -456,6 +456,25 @@ def truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap, l
     return ratio.clamp(max=cap), stats
 
 
+def distinct_groups(scores, scored, k):
+    """Whether each prompt's group of k completions has scores that differ (at least two scored ones, not all equal):
+    (prompts * k,) in rollout order -> (prompts,). A group without is one that GRPO's and RLOO's advantages leave at
+    zero, whatever the scores' scale."""
+    grouped, valid = scores.reshape(-1, k), scored.reshape(-1, k)
+    highest = grouped.masked_fill(~valid, -torch.inf).amax(1)
+    lowest = grouped.masked_fill(~valid, torch.inf).amin(1)
+    return (valid.sum(1) >= 2) & (highest > lowest)
+
+
+def select_groups(keep, n):
+    """DAPO's dynamic sampling: of the groups generated so far, in order, the first n that keep (a list of bools) marks;
+    if fewer are marked, all of them and then the earliest unmarked ones, in generation order. Returns the chosen
+    groups' positions, ascending, and how many unmarked ones filled the batch."""
+    marked = [i for i, x in enumerate(keep) if x][:n]
+    filled = [i for i, x in enumerate(keep) if not x][: n - len(marked)]
+    return sorted(marked + filled), len(filled)
+
+
 def pad_cat(chunks, value):
     """Rows of chunks that may end at different widths (a rollout's chunks stop at their own longest completion), right-
     padded with `value` to the widest and concatenated: (rows, width, ...)."""

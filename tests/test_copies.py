@@ -74,7 +74,7 @@ def drifted(folder, fix=False):
         lines = texts[script].splitlines()
         # at the depth of the block's own lines (the marker may sit deeper than some of them)
         depth = min(len(x) - len(x.lstrip()) for x in lines[first:last] if x.strip())
-        lines[first:last] = textwrap.indent(expected, " " * depth).splitlines()
+        lines[first:last] = textwrap.indent(expected, " " * depth).split("\n")  # a trailing blank line kept
         with open(os.path.join(folder, script), "w") as f:
             f.write("\n".join(lines) + "\n")
     raise AssertionError("--fix does not converge")

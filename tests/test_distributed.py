@@ -61,16 +61,19 @@ def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_fi
         " --per_device_train_batch_size 4 --response_length 8 --temperature 1.0 --learning_rate 1e-3"
         " --num_sample_generations 0"
     )
+    # rloo.py and ppo.py evaluate on the training prompts as if held out (greedy and 2 samples each, every 32 episodes):
+    # the same evaluation on any number of processes and in a resumed run
+    held_out = f" --eval_dataset_name {tiny_prompts_file} --eval_every 32 --num_eval_generations 2 --eval_batch_size 16"
     return {
         "rloo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4"
-        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common,
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common + held_out,
         # the batch's std and DAPO's token count (the default loss) are the global batch's: summed over processes
         "grpo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --num_generations 4"
         f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_iterations 2 --beta 0.1"
         " --scale_rewards batch --mask_truncated_completions" + common,
         # PPO's per-token means depend on how tokens fall into micro-batches unless every completion is as long
         "ppo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --stop_token None"
-        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common,
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common + held_out,
         # 9 evaluation prompts: the processes get 5 and 4, in 2 and 1 batches of 4
         "rloo_tldr.py": f"--sft_model_path {eos_model_dir} --reward_model_path {tiny_reward_model_dir}"
         f" --dataset_name {tldr_dir} --max_prompt_length 200 --total_episodes 32 --local_rollout_forward_batch_size 8"
@@ -96,8 +99,9 @@ def one_process(runs, tmp_path_factory):
 # metrics that do not depend on how the batch is split into micro-batches and processes
 SAME = {
     "rloo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg val/num_eos_tokens"
-    " val/response_length",
-    "ppo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward val/vpred loss/value_avg",
+    " val/response_length eval/scores eval/mean@2 eval/pass@2 eval/response_length",
+    "ppo.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward val/vpred loss/value_avg"
+    " eval/scores eval/mean@2 eval/pass@2 eval/response_length",
     "rloo_tldr.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg"
     " val/num_eos_tokens val/response_length eval/scores eval/response_length eval/stopped_fraction",
     "grpo.py": "reward reward_std frac_reward_zero_std objective/kl objective/entropy loss/policy_avg kl entropy"

@@ -291,20 +291,29 @@ def test_bad_reward_input_is_one_line(extra, message, run, tmp_path, tiny_model_
 
 
 def test_the_arithmetic_task_is_what_it_says(tmp_path):
-    """data/arithmetic.jsonl: chat prompts "What is a + b? ..." whose answer column is a + b, as make_arithmetic.py
-    writes them (rebuilt into a temporary file, the same; the shipped file is never written)."""
+    """data/arithmetic.jsonl and the held-out data/arithmetic_test.jsonl: chat prompts "What is a + b? ..." whose answer
+    column is a + b; no held-out sum is a training one, in either order, or repeated; make_arithmetic.py rebuilds both
+    (into a temporary folder, the same; the shipped files are never written)."""
     import subprocess
     import sys
 
     path = os.path.join(REPO, "data", "arithmetic.jsonl")
     before = os.stat(path).st_mtime_ns
-    with open(path) as f:
-        shipped = f.read()
-    rows = [json.loads(line) for line in shipped.splitlines()]
-    assert len(rows) == 2000
-    for row in rows:
-        a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", row["prompt"][0]["content"]).groups())
-        assert row["answer"] == a + b
-    subprocess.run([sys.executable, os.path.join(REPO, "data", "make_arithmetic.py"), str(tmp_path / "a.jsonl")], check=True)
-    assert (tmp_path / "a.jsonl").read_text() == shipped
+    pairs, shipped = {}, {}
+    for name in ("arithmetic.jsonl", "arithmetic_test.jsonl"):
+        with open(os.path.join(REPO, "data", name)) as f:
+            shipped[name] = f.read()
+        pairs[name] = []
+        for line in shipped[name].splitlines():
+            row = json.loads(line)
+            a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", row["prompt"][0]["content"]).groups())
+            assert row["answer"] == a + b
+            pairs[name].append((a, b))
+    train, test = pairs["arithmetic.jsonl"], pairs["arithmetic_test.jsonl"]
+    assert len(train) == 2000 and len(test) == 200 == len(set(test))
+    assert not set(test) & (set(train) | {(b, a) for a, b in train})
+    assert not set(test) & {(b, a) for a, b in test if a != b}  # nor one held-out sum in both orders
+    subprocess.run([sys.executable, os.path.join(REPO, "data", "make_arithmetic.py"), str(tmp_path)], check=True)
+    for name in shipped:
+        assert (tmp_path / name).read_text() == shipped[name]
     assert os.stat(path).st_mtime_ns == before  # the test wrote nothing into the repository

@@ -1,0 +1,95 @@
+"""Held-out evaluation in rloo.py, grpo.py and ppo.py (--eval_dataset_name): what a run writes against an independent
+recomputation (the saved model's greedy completions from plain transformers, each reward source's score by hand,
+mean@k and pass@k from the written samples), and the refusals. Several processes, DeepSpeed and resume with the
+evaluation: tests/test_distributed.py."""
+
+import json
+import os
+
+import pytest
+import torch
+from test_rloo import check_ok, read_metrics
+
+REWARDS = """
+def vowels(prompts, completions):
+    return [sum(ch in "aeiou" for ch in c) / max(1, len(c)) for c in completions]
+
+def near(prompts, completions, target):
+    return [-abs(len(c) - t) / 10 for c, t in zip(completions, target)]
+"""
+HELD_OUT = ["Tell me about the harbour", "Describe a storm", "Explain the bridge", "Write a poem about snow",
+            "Give advice on the forest", "Share a fact about the moon", "Ask a question about a red kite"]  # fmt: skip
+
+
+def vowels(c):
+    return sum(ch in "aeiou" for ch in c) / max(1, len(c))
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "grpo.py", "ppo.py"])
+def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    with open(tiny_prompts_file) as f:  # the training prompts, with the column the second reward reads
+        train = [{**json.loads(line), "target": 20} for line in f]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps({"prompt": p, "target": 30}) + "\n" for p in HELD_OUT))
+    k = {"rloo.py": "--rloo_k 2", "grpo.py": "--num_generations 2", "ppo.py": ""}[script]
+    out = tmp_path / "out"
+    check_ok(
+        run(
+            f"{script} {k} --model_name_or_path {tiny_model_dir} --dataset_name {tmp_path}/train.jsonl --output_dir {out}"
+            f" --reward_fn {tmp_path}/rewards.py:vowels --reward_fn {tmp_path}/rewards.py:near --reward_weights 1 0.5"
+            " --total_episodes 48 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --learning_rate 1e-2"
+            " --response_length 10 --temperature 1.0 --num_sample_generations 0"
+            f" --eval_dataset_name {tmp_path}/held_out.jsonl --eval_every 32 --num_eval_generations 3 --eval_batch_size 3",
+            cwd=tmp_path,
+        )
+    )
+    rows = [r for r in read_metrics(out) if "eval/scores" in r]
+    assert [r["episode"] for r in rows] == [0, 32, 48]  # before training, every 32 episodes, at the end
+    assert rows == json.load(open(out / "eval.json"))
+    assert rows[0]["eval/scores"] != rows[-1]["eval/scores"]  # the policy moved between them
+
+    # the last evaluation is the saved model's: its greedy completions, from plain transformers, prompt by prompt
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    samples = [json.loads(line) for line in open(out / "eval_samples" / "episode_48.jsonl")]
+    assert [s["prompt"] for s in samples] == HELD_OUT
+    scores = []
+    for prompt, sample in zip(HELD_OUT, samples):
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            new = model.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]  # fmt: skip
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        assert sample["completion"] == text.strip()
+        rewards = {"vowels": vowels(text), "near": -abs(len(text) - 30) / 10}  # the target of the held-out rows
+        assert sample["rewards"] == pytest.approx(rewards)
+        assert sample["score"] == pytest.approx(rewards["vowels"] + 0.5 * rewards["near"])
+        scores.append(sample["score"])
+        assert len(sample["samples"]) == 3 and len({x["completion"] for x in sample["samples"]}) > 1  # sampled, not greedy
+    last = rows[-1]
+    assert last["eval/scores"] == pytest.approx(sum(scores) / len(scores))
+    assert last["eval/rewards/vowels"] == pytest.approx(sum(s["rewards"]["vowels"] for s in samples) / len(samples))
+    # mean@3: the mean over every sample; pass@3: the mean over prompts of the best sample
+    assert last["eval/mean@3"] == pytest.approx(sum(x["score"] for s in samples for x in s["samples"]) / (3 * len(samples)))
+    assert last["eval/pass@3"] == pytest.approx(sum(max(x["score"] for x in s["samples"]) for s in samples) / len(samples))
+    assert last["eval/pass@3"] > last["eval/mean@3"]
+    # TensorBoard has the evaluation too
+    assert os.listdir(out / "runs")
+
+
+def test_evaluation_refusals_are_one_line(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "Describe the sea", "target": 3}) + "\n")
+    for extra, expected in [
+        (f"--eval_dataset_name {tiny_prompts_file} --eval_every -1", "error: --eval_every and --num_eval_generations"),
+        (f"--eval_dataset_name {tiny_prompts_file}", "error: --eval_dataset_name"),  # no `target` column
+        ("--eval_dataset_name missing.jsonl", "error: dataset path 'missing.jsonl' does not exist"),
+    ]:
+        proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tmp_path}/train.jsonl"
+                   f" --reward_fn {tmp_path}/rewards.py:near {extra} --output_dir {tmp_path}/out", cwd=tmp_path)  # fmt: skip
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode != 0 and last.startswith(expected), last
+        assert not os.path.exists(tmp_path / "out")  # refused before any work
