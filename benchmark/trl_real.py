@@ -28,6 +28,7 @@ parser.add_argument("--learning_rate", type=float, default=5e-5)
 parser.add_argument("--gradient_checkpointing", action="store_true", help="TRL's default; off in our scripts")
 parser.add_argument("--gpu", action="store_true", help="on the GPU in bf16 (curves.py --gpu); default: the CPU, fp32")
 parser.add_argument("--seed", type=int, default=1)
+parser.add_argument("--use_vllm", action="store_true", help="TRL's colocate vLLM engine (needs a GPU and vllm)")
 args = parser.parse_args()
 
 import datasets  # noqa: E402  (after argparse, so --help is instant)
@@ -80,6 +81,10 @@ config = Config(
     gradient_checkpointing=args.gradient_checkpointing,
     seed=args.seed,
     disable_tqdm=True,
+    # --use_vllm: TRL's colocate mode, with our scripts' share of the GPU (0.3, TRL's default too)
+    use_vllm=args.use_vllm,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.3,
 )
 tokenizer = load_tokenizer(args.model)  # left padding, the EOS token as pad if it has none, as our scripts
 trainer = Trainer(
