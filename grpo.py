@@ -198,9 +198,7 @@ def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
     w = valid.to(grouped.dtype)
     n = w.sum(1, keepdim=True)
     mean = (grouped * w).sum(1, keepdim=True) / n.clamp(min=1.0)
-    highest = grouped.masked_fill(~valid, -torch.inf).amax(1, keepdim=True)
-    lowest = grouped.masked_fill(~valid, torch.inf).amin(1, keepdim=True)
-    zero_std = (n < 2) | (highest == lowest)
+    zero_std = ~utils.distinct_groups(scores, valid.flatten(), k)[:, None]  # (prompts, 1)
     advantages = grouped - mean
     if scale_rewards == "group":
         std = ((advantages**2 * w).sum(1, keepdim=True) / (n - 1).clamp(min=1.0)).sqrt()
@@ -500,8 +498,9 @@ if __name__ == "__main__":
 
         # copy: dynamic sampling
         sampled, dynamic_stats = None, {}  # completions made before the rollout (--dynamic_sampling's); none
-        if args.dynamic_sampling:
-            idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
+        if args.dynamic_sampling:  # without gradients and in the rollout's precision, as the rollout generates
+            with torch.no_grad(), accelerator.autocast():
+                idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
         # end copy
 
         # copy: prompt rows

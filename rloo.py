@@ -400,8 +400,9 @@ if __name__ == "__main__":
 
         # copy: dynamic sampling
         sampled, dynamic_stats = None, {}  # completions made before the rollout (--dynamic_sampling's); none
-        if args.dynamic_sampling:
-            idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
+        if args.dynamic_sampling:  # without gradients and in the rollout's precision, as the rollout generates
+            with torch.no_grad(), accelerator.autocast():
+                idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
         # end copy
 
         # copy: prompt rows
