@@ -378,6 +378,55 @@ if __name__ == "__main__":
         evaluate(episode)
     # end copy
 
+    # copy: rows, sampling and scoring
+    # a prompt's k completions run the prompt once (utils.generate, utils.forward_grouped) where every chunk of rows
+    # holds whole prompts
+    rollout_group = k if args.local_rollout_forward_batch_size % k == 0 else 1
+
+    def prompt_rows(idx):
+        """The rows of the prompts idx: queries and their mask (prompts * k, query_len), left-padded, where row j * k + i
+        is the i-th completion of prompt j (a prompt's k rows adjacent, so the forward passes can run each prompt once),
+        and the rows' prompt texts and dataset columns"""
+        queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        texts = [prompt_texts[i] for i in idx for _ in range(k)]
+        row_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
+        return queries.repeat_interleave(k, 0).to(device), query_mask.repeat_interleave(k, 0).to(device), texts, row_columns
+
+    def sample(model, queries, query_mask, uniforms, seeds, max_length):
+        """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm (utils.sample_completions)"""
+        return utils.sample_completions(
+            model,
+            engine,
+            queries,
+            query_mask,
+            k=k,
+            max_length=max_length,
+            temperature=args.temperature,
+            stop_token_id=stop_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            uniforms=uniforms,
+            seeds=seeds,
+            chunk=args.local_rollout_forward_batch_size,
+            group=rollout_group,
+            synced=infra.zero3(accelerator),
+        )
+
+    def score(queries, query_mask, completions, texts, row_columns):
+        """the completions truncated after the stop token, their lengths and every source's scores (sources, rows)"""
+        return utils.score_completions(
+            sources,
+            tokenizer,
+            queries,
+            query_mask,
+            completions,
+            prompts=texts,
+            columns=row_columns,
+            stop_token_id=stop_token_id,
+            chunk=args.local_rollout_forward_batch_size,
+        )
+
+    # end copy
+
     # copy: dynamic sampler
     def sample_groups(idx, uniforms, seeds, max_length):
         """--dynamic_sampling (DAPO, Yu et al. 2025): a group whose completions all got the same score has no advantage
@@ -387,72 +436,21 @@ if __name__ == "__main__":
         is filled with dropped groups, earliest first). Returns the kept prompts, their completions as generated
         (prompts * k, width), the engine's logprobs of them (--use_vllm; else None) and the sampling's metrics."""
         unwrapped = accelerator.unwrap_model(policy)
-        if engine is not None:
-            utils.vllm_sync(engine, unwrapped)
-        chunk = args.local_rollout_forward_batch_size
         groups, keep = [], []  # (prompt, completions, engine logprobs) per group; whether its scores differ
         for rounds in range(1, args.max_sampling_rounds + 1):
             if rounds > 1:  # every round generates up to the update's max_length
                 idx, uniforms, _, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
-            queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
-            queries = queries.repeat_interleave(k, 0).to(device)  # (prompts * k, query_len), as the rollout's
-            query_mask = query_mask.repeat_interleave(k, 0).to(device)
-            texts = [prompt_texts[i] for i in idx for _ in range(k)]
-            row_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
-            if engine is not None:
-                sampled, engine_logprobs = utils.vllm_generate(
-                    engine,
-                    queries[::k],
-                    query_mask[::k],
-                    k=k,
-                    max_tokens=max_length,
-                    temperature=args.temperature,
-                    stop_token_id=stop_token_id,
-                    seeds=seeds,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            responses, per_source = [], []
-            for i in range(0, len(queries), chunk):  # the rollout's chunks: the rollout's completions
-                query, qmask = queries[i : i + chunk], query_mask[i : i + chunk]
-                if engine is not None:
-                    response = sampled[i : i + chunk]
-                else:
-                    response = utils.generate(
-                        model=unwrapped,
-                        queries=query,
-                        query_mask=qmask,
-                        response_length=max_length,
-                        temperature=args.temperature,
-                        stop_token_id=stop_token_id,
-                        uniforms=uniforms[i : i + chunk],
-                        group=rollout_group,
-                        synced=infra.zero3(accelerator),
-                    )
-                truncated, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
-                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
-                per_source.append(
-                    utils.get_scores(
-                        sources,
-                        tokenizer=tokenizer,
-                        query_responses=torch.cat([query, truncated], 1),
-                        mask=torch.cat([qmask, rmask], 1),
-                        context_length=queries.shape[1],
-                        lengths=length,
-                        prompts=texts[i : i + chunk],
-                        columns={name: values[i : i + chunk] for name, values in row_columns.items()},
-                        stop_token_id=stop_token_id,
-                    )
-                )
-                responses.append(response)
-            responses = utils.pad_cat(responses, tokenizer.pad_token_id)
+            queries, query_mask, texts, row_columns = prompt_rows(idx)
+            sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
+            responses, _, per_source = score(queries, query_mask, sampled, texts, row_columns)
             # the score the advantages see: the sources' weighted sum, less the missing-EOS penalty
-            scores, scored = utils.weighted_scores(torch.cat(per_source, 1), sources)
+            scores, scored = utils.weighted_scores(per_source, sources)
             if stop_token_id is not None and args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~(responses == stop_token_id).any(1)).float()
             keep += utils.distinct_groups(scores, scored, k).tolist()
             for j, i in enumerate(idx):
                 rows = slice(j * k, (j + 1) * k)
-                groups.append((i, responses[rows], engine_logprobs[rows] if engine is not None else None))
+                groups.append((i, sampled[rows], engine_logprobs[rows] if engine is not None else None))
             short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=device))
             if short.item() == 0:  # every process has enough
                 break
@@ -471,8 +469,6 @@ if __name__ == "__main__":
     # end copy
 
     stats_shape = (args.num_iterations, args.num_mini_batches, args.gradient_accumulation_steps)
-    # a prompt's k completions run the prompt once (utils.forward_grouped) where every chunk of rows holds whole prompts
-    rollout_group = k if args.local_rollout_forward_batch_size % k == 0 else 1
     train_group = 1 if args.per_device_train_batch_size % k else k
     # one pass over one mini-batch: the policy takes its only step after reading every micro-batch, so the update's
     # own logprobs, detached, are the rollout policy's, and the rollout skips that forward pass (as TRL's GRPOTrainer;
@@ -495,6 +491,8 @@ if __name__ == "__main__":
         # this process's share of the next global batch of prompts, and the noise that samples their completions
         idx, uniforms, max_length, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
         # end copy
+        if engine is not None:  # --use_vllm: the engine samples with the policy's weights of now
+            utils.vllm_sync(engine, accelerator.unwrap_model(policy))
 
         # copy: dynamic sampling
         sampled, dynamic_stats = None, {}  # completions made before the rollout (--dynamic_sampling's); none
@@ -504,13 +502,7 @@ if __name__ == "__main__":
         # end copy
 
         # copy: prompt rows
-        queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
-        # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
-        # so the forward passes can run each prompt once (utils.forward_grouped)
-        queries = queries.repeat_interleave(k, 0).to(device)
-        query_mask = query_mask.repeat_interleave(k, 0).to(device)
-        texts = [prompt_texts[i] for i in idx for _ in range(k)]
-        batch_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
+        queries, query_mask, texts, batch_columns = prompt_rows(idx)  # (prompts * k, query_len), a prompt's k adjacent
         context_length = queries.shape[1]
         # end copy
 
@@ -518,44 +510,29 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
-            responses, logprobs, ref_logprobs, per_source, lengths = [], [], [], [], []
-            # copy: generate a chunk
-            if engine is not None and sampled is None:  # --use_vllm: the engine samples the whole batch, with the
-                # policy's weights
-                utils.vllm_sync(engine, unwrapped)
-                sampled, engine_logprobs = utils.vllm_generate(
-                    engine,
-                    queries[::k],
-                    query_mask[::k],
-                    k=k,
-                    max_tokens=max_length,
-                    temperature=args.temperature,
-                    stop_token_id=stop_token_id,
-                    seeds=seeds,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
-                query = queries[i : i + args.local_rollout_forward_batch_size]
-                qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                if sampled is not None:  # the engine's or --dynamic_sampling's
-                    response = sampled[i : i + args.local_rollout_forward_batch_size]
-                else:
-                    response = utils.generate(
-                        model=unwrapped,
-                        queries=query,
-                        query_mask=qmask,
-                        response_length=max_length,
-                        temperature=args.temperature,
-                        stop_token_id=stop_token_id,
-                        uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
-                        group=rollout_group,
-                        synced=infra.zero3(accelerator),
-                    )
+            # 1. completions, unless --dynamic_sampling made them: the vLLM engine's (--use_vllm), else sampled here
+            if sampled is None:
+                sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
 
-                # 1. truncate after the stop token; everything after it is padding
-                response, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
-                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
-                query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
+            # copy: score the rollout
+            # 2. truncated after the stop token (everything after it is padding) and scored: each reward source's
+            # (sources, rows), NaN where one returned None; reward models read the last real token, functions the
+            # decoded text and the rows' dataset columns
+            responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+            width = responses.shape[1]
+            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
+            query_responses = torch.cat([queries, responses], 1)
+            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+            # end copy
+
+            logprobs, ref_logprobs = [], []
+            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+                # copy: a chunk of the rollout
+                # a chunk of rows, only as wide as its longest completion
+                rows = slice(i, i + args.local_rollout_forward_batch_size)
+                end = context_length + int(lengths[rows].max())
+                query_response, mask = query_responses[rows, :end], attention_mask[rows, :end]
+                response = query_response[:, context_length:]
                 # end copy
                 # logprobs of the distribution sampled from: logits / temperature
                 grouped = partial(utils.forward_grouped, context_length=context_length, group=rollout_group)
@@ -571,36 +548,10 @@ if __name__ == "__main__":
                     ref_logprobs.append(utils.logprobs_from_logits(ref_logits, response, args.temperature))
                     del ref_logits
 
-                # copy: score a chunk
-                # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
-                # last real token, functions the decoded text and the rows' dataset columns
-                per_source.append(
-                    utils.get_scores(
-                        sources,
-                        tokenizer=tokenizer,
-                        query_responses=query_response,
-                        mask=mask,
-                        context_length=context_length,
-                        lengths=length,
-                        prompts=texts[i : i + len(query)],
-                        columns={name: values[i : i + len(query)] for name, values in batch_columns.items()},
-                        stop_token_id=stop_token_id,
-                    )
-                )
-                responses.append(response)
-                lengths.append(length)
-                # end copy
-
             # copy: gather the rollout
             # chunks may stop at different lengths: each padded to the longest
-            responses = utils.pad_cat(responses, tokenizer.pad_token_id)
-            lengths, width = torch.cat(lengths), responses.shape[1]
-            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
-            query_responses = torch.cat([queries, responses], 1)
-            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
             # the weighted sum over the sources that scored each completion; one that none scored takes no part below
-            per_source = torch.cat(per_source, 1)  # (sources, local batch)
             scores, scored = utils.weighted_scores(per_source, sources)
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old

@@ -401,6 +401,55 @@ if __name__ == "__main__":
         evaluate(episode)
     # end copy
 
+    # copy: rows, sampling and scoring
+    # a prompt's k completions run the prompt once (utils.generate, utils.forward_grouped) where every chunk of rows
+    # holds whole prompts
+    rollout_group = k if args.local_rollout_forward_batch_size % k == 0 else 1
+
+    def prompt_rows(idx):
+        """The rows of the prompts idx: queries and their mask (prompts * k, query_len), left-padded, where row j * k + i
+        is the i-th completion of prompt j (a prompt's k rows adjacent, so the forward passes can run each prompt once),
+        and the rows' prompt texts and dataset columns"""
+        queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
+        texts = [prompt_texts[i] for i in idx for _ in range(k)]
+        row_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
+        return queries.repeat_interleave(k, 0).to(device), query_mask.repeat_interleave(k, 0).to(device), texts, row_columns
+
+    def sample(model, queries, query_mask, uniforms, seeds, max_length):
+        """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm (utils.sample_completions)"""
+        return utils.sample_completions(
+            model,
+            engine,
+            queries,
+            query_mask,
+            k=k,
+            max_length=max_length,
+            temperature=args.temperature,
+            stop_token_id=stop_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            uniforms=uniforms,
+            seeds=seeds,
+            chunk=args.local_rollout_forward_batch_size,
+            group=rollout_group,
+            synced=infra.zero3(accelerator),
+        )
+
+    def score(queries, query_mask, completions, texts, row_columns):
+        """the completions truncated after the stop token, their lengths and every source's scores (sources, rows)"""
+        return utils.score_completions(
+            sources,
+            tokenizer,
+            queries,
+            query_mask,
+            completions,
+            prompts=texts,
+            columns=row_columns,
+            stop_token_id=stop_token_id,
+            chunk=args.local_rollout_forward_batch_size,
+        )
+
+    # end copy
+
     # copy: ppo loop
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     start_episode, start_time = episode, time.time()
@@ -421,15 +470,11 @@ if __name__ == "__main__":
         # this process's share of the next global batch of prompts, and the noise that samples their completions
         idx, uniforms, max_length, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
         # end copy
+        if engine is not None:  # --use_vllm: the engine samples with the policy's weights of now
+            utils.vllm_sync(engine, accelerator.unwrap_model(model).policy)
 
         # copy: prompt rows
-        queries, query_mask = utils.left_pad([queries_all[i] for i in idx], tokenizer.pad_token_id)
-        # (prompts * k, query_len): row j * k + i is the i-th completion of prompt j; a prompt's k rows are adjacent,
-        # so the forward passes can run each prompt once (utils.forward_grouped)
-        queries = queries.repeat_interleave(k, 0).to(device)
-        query_mask = query_mask.repeat_interleave(k, 0).to(device)
-        texts = [prompt_texts[i] for i in idx for _ in range(k)]
-        batch_columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in columns.items()}
+        queries, query_mask, texts, batch_columns = prompt_rows(idx)  # (prompts * k, query_len), a prompt's k adjacent
         context_length = queries.shape[1]
         # end copy
 
@@ -438,41 +483,29 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(model)
-            responses, logprobs, ref_logprobs, full_kls, values, per_source, lengths = [], [], [], [], [], [], []
-            if engine is not None:  # --use_vllm: the engine samples the whole batch, with the policy's weights
-                utils.vllm_sync(engine, unwrapped.policy)
-                sampled, engine_logprobs = utils.vllm_generate(
-                    engine,
-                    queries,
-                    query_mask,
-                    k=1,
-                    max_tokens=max_length,
-                    temperature=args.temperature,
-                    stop_token_id=stop_token_id,
-                    seeds=seeds,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
-                query = queries[i : i + args.local_rollout_forward_batch_size]
-                qmask = query_mask[i : i + args.local_rollout_forward_batch_size]
-                if engine is not None:
-                    response = sampled[i : i + args.local_rollout_forward_batch_size]
-                else:
-                    response = utils.generate(
-                        model=unwrapped.policy,
-                        queries=query,
-                        query_mask=qmask,
-                        response_length=max_length,
-                        temperature=args.temperature,
-                        stop_token_id=stop_token_id,
-                        uniforms=uniforms[i : i + args.local_rollout_forward_batch_size],
-                        synced=infra.zero3(accelerator),
-                    )
+            # 1. completions: the vLLM engine's (--use_vllm), else sampled here
+            sampled, engine_logprobs = sample(unwrapped.policy, queries, query_mask, uniforms, seeds, max_length)
 
-                # 1. truncate after the stop token; everything after it is padding
-                response, length = utils.truncate_response(response, stop_token_id, tokenizer.pad_token_id)
-                rmask = (torch.arange(response.shape[1], device=device)[None, :] < length[:, None]).long()
-                query_response, mask = torch.cat([query, response], 1), torch.cat([qmask, rmask], 1)
+            # copy: score the rollout
+            # 2. truncated after the stop token (everything after it is padding) and scored: each reward source's
+            # (sources, rows), NaN where one returned None; reward models read the last real token, functions the
+            # decoded text and the rows' dataset columns
+            responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+            width = responses.shape[1]
+            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
+            query_responses = torch.cat([queries, responses], 1)
+            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
+            # end copy
+
+            logprobs, ref_logprobs, full_kls, values = [], [], [], []
+            for i in range(0, len(queries), args.local_rollout_forward_batch_size):
+                # copy: a chunk of the rollout
+                # a chunk of rows, only as wide as its longest completion
+                rows = slice(i, i + args.local_rollout_forward_batch_size)
+                end = context_length + int(lengths[rows].max())
+                query_response, mask = query_responses[rows, :end], attention_mask[rows, :end]
+                response = query_response[:, context_length:]
+                # end copy
                 # logprobs of the distribution sampled from (logits / temperature), and the critic's values
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logits = logits[:, :-1]
@@ -487,38 +520,12 @@ if __name__ == "__main__":
                 if args.kl_estimator == "full":  # the exact KL, while both models' logits are at hand
                     full_kls.append(utils.full_kl(logits, ref_logits, args.temperature))
                 del logits, ref_logits  # (chunk, width, vocab) each: freed before the next chunk allocates its own
-
-                # copy: score a chunk
-                # 2. scores: each reward source's (sources, chunk), NaN where one returned None; reward models read the
-                # last real token, functions the decoded text and the rows' dataset columns
-                per_source.append(
-                    utils.get_scores(
-                        sources,
-                        tokenizer=tokenizer,
-                        query_responses=query_response,
-                        mask=mask,
-                        context_length=context_length,
-                        lengths=length,
-                        prompts=texts[i : i + len(query)],
-                        columns={name: values[i : i + len(query)] for name, values in batch_columns.items()},
-                        stop_token_id=stop_token_id,
-                    )
-                )
-                responses.append(response)
-                lengths.append(length)
-                # end copy
             # end copy
 
             # copy: gather the rollout
             # chunks may stop at different lengths: each padded to the longest
-            responses = utils.pad_cat(responses, tokenizer.pad_token_id)
-            lengths, width = torch.cat(lengths), responses.shape[1]
-            padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
-            query_responses = torch.cat([queries, responses], 1)
-            attention_mask = torch.cat([query_mask, (~padding_mask).long()], 1)
             # the weighted sum over the sources that scored each completion; one that none scored takes no part below
-            per_source = torch.cat(per_source, 1)  # (sources, local batch)
             scores, scored = utils.weighted_scores(per_source, sources)
 
             # penalise completions cut off before the stop token (subtracted, not replacing the score as TRL's old

@@ -433,6 +433,86 @@ def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_
     return responses.to(queries.device), logprobs.to(queries.device)
 
 
+def sample_completions(
+    model,
+    engine,
+    queries,
+    query_mask,
+    *,
+    k,
+    max_length,
+    temperature,
+    stop_token_id,
+    pad_token_id,
+    uniforms,
+    seeds,
+    chunk,
+    group=1,
+    synced=False,
+):
+    """A rollout's completions of its rows (queries, query_mask: (prompts * k, query_len), left-padded, a prompt's k rows
+    adjacent), up to max_length tokens at temperature: the vLLM engine's (--use_vllm; it must hold model's weights:
+    vllm_sync), which gets each prompt once with its seed, else generate()'s on model, chunk rows at a time with their
+    uniforms. Returns (responses (rows, width) padded with pad_token_id, the engine's logprobs of them or None)."""
+    if engine is not None:
+        return vllm_generate(
+            engine,
+            queries[::k],
+            query_mask[::k],
+            k=k,
+            max_tokens=max_length,
+            temperature=temperature,
+            stop_token_id=stop_token_id,
+            seeds=seeds,
+            pad_token_id=pad_token_id,
+        )
+    responses = []
+    for i in range(0, len(queries), chunk):
+        rows = slice(i, i + chunk)
+        responses.append(
+            generate(
+                model,
+                queries[rows],
+                query_mask[rows],
+                response_length=max_length,
+                temperature=temperature,
+                stop_token_id=stop_token_id,
+                uniforms=uniforms[rows],
+                group=group,
+                synced=synced,
+            )
+        )
+    return pad_cat(responses, pad_token_id), None
+
+
+def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):
+    """Each completion truncated after its stop token (the rest padding) and scored by every source, chunk rows at a
+    time, each chunk only as wide as its longest completion. prompts: the rows' prompt texts; columns: {name: the rows'
+    values}. Returns (responses (rows, longest), lengths (rows,), per_source (sources, rows): NaN where a source
+    returned None)."""
+    responses, lengths = truncate_response(responses, stop_token_id, tokenizer.pad_token_id)
+    responses = responses[:, : int(lengths.max())]
+    per_source = []
+    for i in range(0, len(queries), chunk):
+        rows = slice(i, i + chunk)
+        response = responses[rows, : int(lengths[rows].max())]
+        real = (torch.arange(response.shape[1], device=response.device)[None, :] < lengths[rows, None]).long()
+        per_source.append(
+            get_scores(
+                sources,
+                tokenizer=tokenizer,
+                query_responses=torch.cat([queries[rows], response], 1),
+                mask=torch.cat([query_mask[rows], real], 1),
+                context_length=queries.shape[1],
+                lengths=lengths[rows],
+                prompts=prompts[rows],
+                columns={name: values[rows] for name, values in columns.items()},
+                stop_token_id=stop_token_id,
+            )
+        )
+    return responses, lengths, torch.cat(per_source, 1)
+
+
 def truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap, level="token"):
     """Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
     RL Training"): the trainer's probability of each sampled token over the engine's, min(ratio, cap), so that a loss

@@ -270,6 +270,41 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     assert alone.tolist() == ours[1:2].tolist()
 
 
+def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
+    """utils.sample_completions generates chunk rows at a time and utils.score_completions truncates and scores them
+    chunk by chunk: any chunking gives what one generate() call over all rows and a loop scoring each completion alone
+    give, the batch only as wide as its longest completion."""
+    model, tok = tiny_lm
+    prompts = ["the list of", "x", "a b c", "the function returns"]
+    queries, mask = utils.left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
+    queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # (prompts * 2, query_len)
+    texts = [p for p in prompts for _ in range(2)]
+    uniforms = torch.rand(len(queries), 10, generator=torch.Generator().manual_seed(0))
+    free = utils.generate(model, queries, mask, response_length=10, temperature=1.0, uniforms=uniforms)
+    stop = free[:, 1:].flatten().mode().values.item()  # a frequent token, so the completions stop at different lengths
+    whole = utils.generate(model, queries, mask, response_length=10, temperature=1.0, stop_token_id=stop, uniforms=uniforms)
+    lens = []  # each completion's length, by a loop over its tokens
+    for row in whole.tolist():
+        lens.append(row.index(stop) + 1 if stop in row else len(row))
+    assert len(set(lens)) > 1, lens
+    sources = [{"name": "chars", "fn": lambda prompts, completions, **_: [float(len(c)) for c in completions], "weight": 1.0}]
+    for chunk in (1, 2, 3, 8):
+        sampled, engine_logprobs = utils.sample_completions(
+            model, None, queries, mask, k=2, max_length=10, temperature=1.0, stop_token_id=stop,
+            pad_token_id=tok.pad_token_id, uniforms=uniforms, seeds=None, chunk=chunk, group=2 if chunk % 2 == 0 else 1,
+        )  # fmt: skip
+        assert engine_logprobs is None
+        responses, lengths, per_source = utils.score_completions(
+            sources, tok, queries, mask, sampled, prompts=texts, columns={}, stop_token_id=stop, chunk=chunk
+        )
+        assert lengths.tolist() == lens and responses.shape[1] == max(lens)
+        for i, n in enumerate(lens):
+            assert responses[i, :n].tolist() == whole[i, :n].tolist()
+            assert (responses[i, n:] == tok.pad_token_id).all()
+            text = tok.decode(whole[i, :n], skip_special_tokens=True)
+            assert per_source[0, i].item() == float(len(text)), (chunk, i)
+
+
 def tiny_llama(tok, attn_implementation, **kwargs):
     """SmolLM2's shape in miniature: grouped-query attention, rotary positions, the LM head tied to the embedding"""
     from transformers import LlamaConfig, LlamaForCausalLM
