@@ -471,10 +471,10 @@ if __name__ == "__main__":
     stats_shape = (args.num_iterations, args.num_mini_batches, args.gradient_accumulation_steps)
     train_group = 1 if args.per_device_train_batch_size % k else k
     # one pass over one mini-batch: the policy takes its only step after reading every micro-batch, so the update's
-    # own logprobs, detached, are the rollout policy's, and the rollout skips that forward pass (as TRL's GRPOTrainer;
-    # the ratio is then exactly 1)
-    # (with --use_vllm the rollout needs the trainer's logprobs, to weigh the engine's samples)
-    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1 and not args.use_vllm
+    # own logprobs, detached, are the rollout policy's, and the rollout skips that forward pass (as TRL's GRPOTrainer
+    # without vLLM; the ratio is then exactly 1). With --use_vllm too: the engine's samples are weighed micro-batch by
+    # micro-batch, once their trainer logprobs are known (TRL runs the pass for them)
+    on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
     start_episode, start_time = episode, time.time()
     for update in tqdm(
         range(start_update, args.num_updates + 1),
@@ -569,14 +569,6 @@ if __name__ == "__main__":
             if args.beta:  # (no reference runs with --beta 0)
                 ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB)
                 ref_logprobs = ref_logprobs.masked_fill(padding_mask, utils.INVALID_LOGPROB)
-            # --use_vllm: the engine sampled; each token's probability under the trainer over the engine's, truncated
-            # (TIS), weighs its loss
-            is_weight = torch.ones_like(logprobs)
-            if engine is not None:
-                is_weight, vllm_stats = utils.truncated_importance_weights(
-                    logprobs, engine_logprobs, padding_mask, cap=args.vllm_importance_sampling_cap
-                )
-
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
             loss_mask = ~padding_mask & scored[:, None]  # a completion no reward source scored counts nowhere
@@ -633,7 +625,16 @@ if __name__ == "__main__":
                         mb_advantage = advantages[micro_inds][:, None]
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.epsilon, 1.0 + epsilon_high)
-                        per_token_loss = torch.max(pg_losses, pg_losses2) * is_weight[micro_inds]
+                        per_token_loss = torch.max(pg_losses, pg_losses2)
+                        if engine is not None:  # the engine sampled: each token's probability under the rollout
+                            # policy over the engine's, truncated (TIS), weighs its loss
+                            is_weight, _ = utils.truncated_importance_weights(
+                                logprobs[micro_inds],
+                                engine_logprobs[micro_inds],
+                                mb_padding,
+                                cap=args.vllm_importance_sampling_cap,
+                            )
+                            per_token_loss = per_token_loss * is_weight
                         trained = mb_mask  # the tokens whose policy loss counts
                         if args.top_entropy_quantile < 1.0:  # only the highest-entropy tokens (Wang et al. 2025)
                             pool = accelerator.pad_across_processes(entropy[mb_mask].detach(), pad_index=-1.0)
@@ -715,8 +716,9 @@ if __name__ == "__main__":
             }
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
-            if engine is not None:  # how far the engine's logprobs are from the trainer's
-                stats.update(vllm_stats)
+            if engine is not None:  # how far the engine's logprobs are from the trainer's (the rollout policy's)
+                cap = args.vllm_importance_sampling_cap
+                stats.update(utils.truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap=cap)[1])
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
                 stats["objective/kl"] = rollout_kl.sum(1).mean()

@@ -1041,9 +1041,13 @@ def vllm_engine(accelerator, args, policy):
     backend = "uni" if args.vllm_tensor_parallel_size == 1 else None
     if accelerator.num_processes > 1:
         backend = "external_launcher"
-    with tempfile.TemporaryDirectory() as folder:
+    # vLLM seeds the random, numpy and torch streams of the process it starts in: the run's own are kept as they were
+    # (each process's, from setup)
+    streams = random.getstate(), np.random.get_state()
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+    with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=devices):
         policy.config.save_pretrained(folder)
-        return LLM(
+        engine = LLM(
             model=folder,
             load_format="dummy",
             skip_tokenizer_init=True,
@@ -1057,3 +1061,6 @@ def vllm_engine(accelerator, args, policy):
             enforce_eager=args.vllm_enforce_eager,
             distributed_executor_backend=backend,
         )
+    random.setstate(streams[0])
+    np.random.set_state(streams[1])
+    return engine

@@ -47,7 +47,7 @@ def test_truncated_importance_weights_match_a_naive_loop():
 
 
 ENGINE = """
-import sys, types, torch
+import random, sys, types, numpy, torch
 sys.path.insert(0, {repo!r})
 import infra, utils
 from transformers import AutoModelForCausalLM
@@ -55,7 +55,12 @@ from transformers import AutoModelForCausalLM
 policy = AutoModelForCausalLM.from_pretrained({model!r}).eval()
 args = types.SimpleNamespace(bf16=False, seed=1, max_prompt_length=32, response_length=12, vllm_gpu_memory_utilization=0.3,
                              vllm_tensor_parallel_size=1, vllm_enforce_eager=True)
+draw = lambda: (torch.rand(3).tolist(), random.random(), numpy.random.rand())  # the run's random streams
+streams = torch.get_rng_state(), random.getstate(), numpy.random.get_state()
+expected = draw()
+torch.set_rng_state(streams[0]); random.setstate(streams[1]); numpy.random.set_state(streams[2])
 engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0), args, policy)
+streams_kept = draw() == expected  # the engine seeds them as it starts; vllm_engine puts them back
 queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
 
 def worst(model, seeds):
@@ -113,18 +118,19 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
         lora_after = worst(lora, seeds=[1, 2, 3])[0]
         now = {n.replace(".base_layer", ""): p for n, p in lora.get_base_model().named_parameters() if "lora_" not in n}
         untouched = now.keys() == frozen.keys() and all(torch.equal(now[n], p) for n, p in frozen.items())
-        print("RESULT", before, bool(torch.equal(first, again)), stale, after, lora_stale, lora_after, untouched)
+        print("RESULT", before, bool(torch.equal(first, again)), stale, after, lora_stale, lora_after, untouched, streams_kept)
         """,
         tiny_llama_dir,
         eos,
         tmp_path,
     )
-    before, same, stale, after, lora_stale, lora_after, untouched = out.split("RESULT")[1].split()
+    before, same, stale, after, lora_stale, lora_after, untouched, streams_kept = out.split("RESULT")[1].split()
     assert float(before) < 1e-4 and float(after) < 1e-4  # fp32: the engine's distribution is the trainer's
     assert same == "True"  # the same seeds, the same samples
     assert float(stale) > 1e-2  # so the test would see a sync that did nothing
     assert float(lora_after) < 1e-4 and float(lora_stale) > 1e-2  # the policy with its adapters, not without
     assert untouched == "True"  # the frozen weights (also the reference) are not rounded by a merge and unmerge
+    assert streams_kept == "True"  # each process's own random streams, as seeded, survive the engine's start
 
 
 def vllm_command(script, model, prompts, out, extra=""):
@@ -165,11 +171,13 @@ def test_learns_as_fast_per_episode_as_without_vllm(script, run, tmp_path, tiny_
 @needs_vllm
 def test_bf16_and_gradient_checkpointing_run_with_vllm(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
     """A bf16 engine (and trainer) with gradient checkpointing: the run goes through, and the mismatch metrics see
-    the bf16 engine's logprobs differ from the trainer's where fp32's agree within 1e-4."""
+    the bf16 engine's logprobs differ from the trainer's where fp32's agree within 1e-4. Two iterations over the
+    batch: grpo.py's rollout computes the logprobs the engine's samples are weighed with (the other tests of grpo.py
+    take its on-policy shortcut, where the update's own pass computes them)."""
     (tmp_path / "reward.py").write_text(VOWELS)
     extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 16 --no_save_model"
     check_ok(run(vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, tmp_path / "out",
-                              f"{extra} --bf16 --gradient_checkpointing"), cwd=tmp_path))  # fmt: skip
+                              f"{extra} --bf16 --gradient_checkpointing --num_iterations 2"), cwd=tmp_path))  # fmt: skip
     (row,) = read_metrics(tmp_path / "out")
     assert 1e-4 < row["vllm/logprob_diff_mean"] < 0.05 and row["vllm/logprob_diff_max"] < 0.5, row
 
