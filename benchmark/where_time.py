@@ -5,7 +5,8 @@ timers around the same kinds of work, and writes the seconds per update by phase
     python benchmark/where_time.py OUT.json benchmark/trl_real.py rloo DIR ...  # the peer, with its flags
 
 Phases (the outermost timed call counts; nothing is counted twice):
-- generation: our utils.generate, transformers' generate() for TRL;
+- generation: our utils.generate (or with --use_vllm the engine's, utils.vllm_generate), transformers' generate() for
+  TRL; weight sync: utils.vllm_sync, the policy's weights into the engine (--use_vllm);
 - logprob passes: forward passes and logprob arithmetic without gradient outside generation (the rollout's policy
   and reference passes; ppo.py's critic): our utils.forward_grouped, logprobs_from_logits and scalar_forward, TRL's
   _get_per_token_logps_and_entropies;
@@ -71,6 +72,8 @@ else:  # the scripts call these as utils.NAME, so patching the module is enough
     import utils
 
     utils.generate = timed(utils.generate, "generation")
+    utils.vllm_generate = timed(utils.vllm_generate, "generation")  # --use_vllm: the engine's
+    utils.vllm_sync = timed(utils.vllm_sync, "weight sync")
     for name in ("forward_grouped", "logprobs_from_logits", "scalar_forward"):
         setattr(utils, name, timed(getattr(utils, name), passes))
 
@@ -80,7 +83,7 @@ def report():
     if not marks["steps"]:
         return
     total = marks["end"] - marks["start"]
-    phases = ["generation", *passes, "backward", "optimiser step"]
+    phases = ["generation", "weight sync", *passes, "backward", "optimiser step"]
     row = {name: seconds[name] / marks["steps"] for name in phases}
     row["the rest"] = total / marks["steps"] - sum(row.values())
     result = {"command": command, "updates": marks["steps"], "seconds_per_update": row}
