@@ -83,7 +83,8 @@ def report():
     if not marks["steps"]:
         return
     total = marks["end"] - marks["start"]
-    phases = ["generation", "weight sync", *passes, "backward", "optimiser step"]
+    synced = ["weight sync"] if "weight sync" in seconds else []  # --use_vllm only
+    phases = ["generation", *synced, *passes, "backward", "optimiser step"]
     row = {name: seconds[name] / marks["steps"] for name in phases}
     row["the rest"] = total / marks["steps"] - sum(row.values())
     result = {"command": command, "updates": marks["steps"], "seconds_per_update": row}
