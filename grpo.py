@@ -17,12 +17,15 @@ filter, none of a completion that never produced the stop token) are aggregated 
              processes, so neither gradient accumulation nor the process count changes a token's weight (DAPO; the
              default, as in TRL 1.16's GRPOConfig)
 The gradients of the micro-batches are averaged over gradient accumulation and processes, so dapo's step is the sum
-over every token of the step divided by their number.
+over every token of the step divided by their number. With --importance_sampling_level sequence (GSPO) a completion
+has one ratio, exp of the mean of its tokens' log-ratios, clipped as a whole, and the loss is grpo's mean over
+completions: the paper's objective (a token sum would weigh each completion by its length).
 
 Papers: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models"
 (https://arxiv.org/abs/2402.03300), GRPO; Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
 Perspective" (https://arxiv.org/abs/2503.20783), Dr. GRPO; Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
-Learning System at Scale" (https://arxiv.org/abs/2503.14476).
+Learning System at Scale" (https://arxiv.org/abs/2503.14476); Zheng et al. 2025, "Group Sequence Policy Optimization"
+(https://arxiv.org/abs/2507.18071), GSPO.
 
 Run (offline, on a CPU: SmolLM2-135M-Instruct learns to answer the shipped prompts more positively):
     python grpo.py
@@ -59,8 +62,9 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """how per-token losses are aggregated (see the module docstring); dapo as TRL 1.16"""
+    loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo"]] = None
+    """how per-token losses are aggregated (see the module docstring); None: dapo, as TRL 1.16, or with
+    --importance_sampling_level sequence grpo, GSPO's mean over completions of each one's loss"""
     entropy_coef: float = 0.0
     """subtract entropy_coef times each counted token's entropy from its loss: a bonus that keeps the policy from
     collapsing onto one answer (verl's entropy_coeff, OpenRLHF's entropy_loss_coef); 0: off"""
@@ -70,8 +74,8 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     highest-entropy ones"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: each token's probability ratio to the rollout policy (GRPO); sequence: one ratio per completion, the exp of
-    the mean of its tokens' log-ratios, clipped as a whole and given to each of its tokens (GSPO; TRL's name; the paper
-    clips it with --epsilon 3e-4 --epsilon_high 4e-4)"""
+    the mean of its tokens' log-ratios, clipped as a whole, its loss averaged over the completions (GSPO; TRL's name;
+    the paper clips it with --epsilon 3e-4 --epsilon_high 4e-4)"""
     epsilon: float = 0.2
     """the lower clip range of the per-token probability ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
@@ -85,8 +89,9 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
     # copy: dynamic sampling args
     dynamic_sampling: bool = False
-    """drop the groups whose completions all got the same score (no advantage, no gradient) and fill the batch with
-    groups of new prompts, generated in further rounds (DAPO's dynamic sampling)"""
+    """drop the groups whose completions all got the same score (the one the advantages use: their scores tell them
+    nothing apart, though a KL term may) and fill the batch with groups of new prompts, generated and scored in further
+    rounds (DAPO's dynamic sampling)"""
     max_sampling_rounds: int = 3
     """with --dynamic_sampling, the most generation rounds per update, the first included; a batch still short then is
     filled with dropped groups, earliest first"""
@@ -261,6 +266,11 @@ if __name__ == "__main__":
         utils.die(f"--top_entropy_quantile must be in [0, 1], got {args.top_entropy_quantile}")
     if args.epsilon < 0 or epsilon_high < 0 or args.beta < 0 or args.num_iterations < 1:
         utils.die("--epsilon, --epsilon_high and --beta must be >= 0 and --num_iterations >= 1")
+    # GSPO (Zheng et al. 2025) averages the sequence loss over completions; a token sum would weigh each by its length
+    gspo = args.importance_sampling_level == "sequence"
+    args.loss_type = args.loss_type or ("grpo" if gspo else "dapo")
+    if gspo and args.loss_type != "grpo":
+        utils.die("GSPO's objective (--importance_sampling_level sequence) is the mean over completions: --loss_type grpo")
     k = args.num_generations  # completions per prompt
     args.local_prompts = args.local_batch_size // k
 
@@ -433,38 +443,45 @@ if __name__ == "__main__":
         to learn from. Generates and scores the groups of this process's prompts idx, then of further batches of
         prompts drawn as the first (at most --max_sampling_rounds rounds, as many on every process), until every
         process has local_prompts groups whose scores differ; keeps the first of them, in order (a batch still short
-        is filled with dropped groups, earliest first). Returns the kept prompts, their completions as generated
-        (prompts * k, width), the engine's logprobs of them (--use_vllm; else None) and the sampling's metrics."""
+        is filled with dropped groups, earliest first). Each completion is scored once, as it is generated. Returns
+        the kept prompts, their completions truncated after the stop token (prompts * k, their longest), lengths, each
+        source's scores (sources, prompts * k), the engine's logprobs (--use_vllm; else None) and the metrics."""
         unwrapped = accelerator.unwrap_model(policy)
-        groups, keep = [], []  # (prompt, completions, engine logprobs) per group; whether its scores differ
+        groups, keep = [], []  # (prompt, completions, lengths, scores, engine logprobs) per group; whether scores differ
         for rounds in range(1, args.max_sampling_rounds + 1):
             if rounds > 1:  # every round generates up to the update's max_length
                 idx, uniforms, _, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
             queries, query_mask, texts, row_columns = prompt_rows(idx)
             sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
-            responses, _, per_source = score(queries, query_mask, sampled, texts, row_columns)
-            # the score the advantages see: the sources' weighted sum, less the missing-EOS penalty
+            responses, lengths, per_source = score(queries, query_mask, sampled, texts, row_columns)
+            # the score the advantages see: the sources' weighted sum, less the missing-EOS penalty, clipped (the running
+            # scale of --use_score_scaling, positive, makes no group flat that was not)
             scores, scored = utils.weighted_scores(per_source, sources)
             if stop_token_id is not None and args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~(responses == stop_token_id).any(1)).float()
-            keep += utils.distinct_groups(scores, scored, k).tolist()
+            keep += utils.distinct_groups(utils.scale_scores(scores, scored, clip=args.score_clip), scored, k).tolist()
             for j, i in enumerate(idx):
                 rows = slice(j * k, (j + 1) * k)
-                groups.append((i, sampled[rows], engine_logprobs[rows] if engine is not None else None))
+                engine_rows = engine_logprobs[rows] if engine is not None else None
+                groups.append((i, responses[rows], lengths[rows], per_source[:, rows], engine_rows))
             short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=device))
             if short.item() == 0:  # every process has enough
                 break
         chosen, filled = utils.select_groups(keep, args.local_prompts)
-        idx = [groups[g][0] for g in chosen]
-        sampled = utils.pad_cat([groups[g][1] for g in chosen], tokenizer.pad_token_id)
-        engine_logprobs = None
+        idx, responses, lengths, per_source, engine_logprobs = (list(x) for x in zip(*(groups[g] for g in chosen)))
+        # as wide as the kept completions' longest, which may be narrower than the rounds they came from
+        lengths, per_source = torch.cat(lengths), torch.cat(per_source, 1)
+        width = int(lengths.max())
+        responses = utils.pad_cat(responses, tokenizer.pad_token_id)[:, :width]
         if engine is not None:
-            engine_logprobs = utils.pad_cat([groups[g][2] for g in chosen], utils.INVALID_LOGPROB)
+            engine_logprobs = utils.pad_cat(engine_logprobs, utils.INVALID_LOGPROB)[:, :width]
+        else:
+            engine_logprobs = None
         counts = torch.tensor([len(keep), len(keep) - sum(keep), filled], device=device, dtype=torch.float)
         generated, dropped, filled = reduce_sum(counts).tolist()  # groups, on all processes
         stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/generated": generated}
         stats.update({"dynamic_sampling/dropped": dropped, "dynamic_sampling/filled": filled})
-        return idx, sampled, engine_logprobs, stats
+        return idx, responses, lengths, per_source, engine_logprobs, stats
 
     # end copy
 
@@ -495,10 +512,10 @@ if __name__ == "__main__":
             utils.vllm_sync(engine, accelerator.unwrap_model(policy))
 
         # copy: dynamic sampling
-        sampled, dynamic_stats = None, {}  # completions made before the rollout (--dynamic_sampling's); none
+        dynamic, dynamic_stats = None, {}  # --dynamic_sampling's completions, scored as they were sampled; none
         if args.dynamic_sampling:  # without gradients and in the rollout's precision, as the rollout generates
             with torch.no_grad(), accelerator.autocast():
-                idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
+                idx, *dynamic, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
         # end copy
 
         # copy: prompt rows
@@ -510,15 +527,17 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
-            # 1. completions, unless --dynamic_sampling made them: the vLLM engine's (--use_vllm), else sampled here
-            if sampled is None:
-                sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
-
-            # copy: score the rollout
+            # 1. completions: the vLLM engine's (--use_vllm), else sampled here
             # 2. truncated after the stop token (everything after it is padding) and scored: each reward source's
             # (sources, rows), NaN where one returned None; reward models read the last real token, functions the
             # decoded text and the rows' dataset columns
-            responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+            if dynamic is None:
+                sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
+                responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+            else:  # --dynamic_sampling sampled and scored them, in rounds
+                responses, lengths, per_source, engine_logprobs = dynamic
+
+            # copy: rollout masks
             width = responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             query_responses = torch.cat([queries, responses], 1)
@@ -626,15 +645,17 @@ if __name__ == "__main__":
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.epsilon, 1.0 + epsilon_high)
                         per_token_loss = torch.max(pg_losses, pg_losses2)
-                        if engine is not None:  # the engine sampled: each token's probability under the rollout
-                            # policy over the engine's, truncated (TIS), weighs its loss
-                            is_weight, _ = utils.truncated_importance_weights(
+                        if engine is not None:  # the engine sampled: each token's (or completion's) probability under
+                            # the rollout policy over the engine's, truncated or masked, weighs its loss
+                            is_weight, _ = utils.importance_weights(
                                 logprobs[micro_inds],
                                 engine_logprobs[micro_inds],
                                 mb_padding,
-                                cap=args.vllm_importance_sampling_cap,
+                                mode=args.vllm_importance_sampling_mode or "token_truncate",
+                                clip_min=args.vllm_importance_sampling_clip_min,
+                                clip_max=args.vllm_importance_sampling_clip_max,
                             )
-                            per_token_loss = per_token_loss * is_weight
+                            per_token_loss = per_token_loss * is_weight.reshape(len(is_weight), -1)  # sequence_*: (rows, 1)
                         trained = mb_mask  # the tokens whose policy loss counts
                         if args.top_entropy_quantile < 1.0:  # only the highest-entropy tokens (Wang et al. 2025)
                             pool = accelerator.pad_across_processes(entropy[mb_mask].detach(), pad_index=-1.0)
@@ -717,8 +738,9 @@ if __name__ == "__main__":
             if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                 stats["policy/skipped_ratio_threshold"] = skipped_stats.mean()
             if engine is not None:  # how far the engine's logprobs are from the trainer's (the rollout policy's)
-                cap = args.vllm_importance_sampling_cap
-                stats.update(utils.truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap=cap)[1])
+                mode = args.vllm_importance_sampling_mode or "token_truncate"
+                clip = dict(clip_min=args.vllm_importance_sampling_clip_min, clip_max=args.vllm_importance_sampling_clip_max)
+                stats.update(utils.importance_weights(logprobs, engine_logprobs, padding_mask, mode=mode, **clip)[1])
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
                 stats["objective/kl"] = rollout_kl.sum(1).mean()
@@ -732,12 +754,11 @@ if __name__ == "__main__":
             reward_std = batch_std(raw_scores[scored], reduce_sum).item()
 
         # copy: log the update
-        means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
         num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
         source_stats = infra.reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
-        metrics.update(zip(stats.keys(), means))
+        metrics.update(infra.reduce_stats(accelerator, stats))  # means over the processes (maxima: their max)
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
         if args.use_score_scaling:  # the running moments this update's scores were scaled with

@@ -1,6 +1,6 @@
 """The plumbing the scripts share, beside their method (utils.py): the flags every script takes besides its
 algorithm's (RunArgs), loading models, prompts, reward sources and PTX texts, the processes, output_dir and resume,
-checkpoints, logs, the held-out evaluation of the TL;DR scripts, the model card and the hub. Each script calls it at
+checkpoints, logs, the held-out evaluation, the vLLM engine, the model card and the hub. Each script calls it at
 the point of use, in a line or two; the libraries made for each job do the work (accelerate, transformers, datasets,
 TensorBoard, wandb, huggingface_hub), and what they do not give is here: a checkpoint is complete or absent, a resumed
 run's logs are cut back to its checkpoint, a resume that would change the run is refused.
@@ -8,11 +8,13 @@ run's logs are cut back to its checkpoint, a resume that would change the run is
 
 import copy
 import dataclasses
+import functools
 import glob
 import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import random
@@ -22,8 +24,9 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -133,9 +136,19 @@ class RunArgs:
     """the GPUs the engine shards the model over"""
     vllm_enforce_eager: bool = False
     """run the engine without compiled graphs: starts in seconds instead of a minute, generates slower"""
-    vllm_importance_sampling_cap: float = 3.0
-    """the cap C of truncated importance sampling: each sample's weight is min(trainer probability / engine
-    probability, C), per token (per completion in RLOO) (TRL's default cap)"""
+    vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]] = (
+        None
+    )
+    """how the engine's samples are weighed (TRL's modes): by each token's probability under the trainer over the
+    engine's (token_*) or each completion's (sequence_*), clipped to [clip_min, clip_max] (*_truncate) or zero outside
+    it (*_mask). None: the script's own, token_truncate in grpo.py and ppo.py (truncated IS of their per-token losses,
+    Yao et al. 2025) and sequence_truncate in rloo.py (whose ratio is the completion's); TRL's default: sequence_mask"""
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    """the upper bound C_max of the importance weights (TRL's default; None: no upper bound)"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """the lower bound C_min of the importance weights (None: no lower bound)"""
+    vllm_importance_sampling_cap: Optional[float] = None
+    """deprecated, as in TRL: sets --vllm_importance_sampling_clip_max"""
 
     # to be filled in at runtime
     distributed_type: tyro.conf.Suppress[str] = ""
@@ -168,8 +181,12 @@ class RunArgs:
             die(f"--lora_r must be at least 1, got {self.lora_r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
             die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
-        if self.vllm_importance_sampling_cap <= 0:
-            die(f"--vllm_importance_sampling_cap must be positive, got {self.vllm_importance_sampling_cap}")
+        if self.vllm_importance_sampling_cap is not None:
+            print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
+            die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")
         if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
             if not self.hub_model_id:
                 die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
@@ -485,6 +502,15 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     return stats
 
 
+def reduce_stats(accelerator, stats):
+    """A script's statistics {name: 0-d tensor}, each over all processes in one gather: the mean of the processes'
+    values, or their max for a name that ends in _max. Returns {name: float}."""
+    values = torch.stack([torch.as_tensor(v, device=accelerator.device).float() for v in stats.values()])
+    gathered = accelerator.gather(values[None])  # (processes, statistics)
+    maxed = torch.tensor([name.endswith("_max") for name in stats], device=values.device)
+    return dict(zip(stats, torch.where(maxed, gathered.amax(0), gathered.mean(0)).tolist()))
+
+
 def print_samples(title, prompts, completions, per_source, sources, scores, scored):
     """A table of sample completions, each source's reward (nan: it could not judge) and the score ("-": none did)."""
     from rich.console import Console
@@ -537,7 +563,7 @@ def ptx_batch(texts, stream, n, accelerator, pad_token_id):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# logging, evaluation (the TL;DR scripts) and the model card
+# logging, the held-out evaluation and the model card
 
 
 def write_completions(accelerator, args, episode, update, prompts, completions, per_source, sources, scores, advantages):
@@ -589,12 +615,13 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
     """Completions of the held-out prompts scored by the reward sources (the weighted score, as in training): a greedy
     one per prompt (eval/scores: with a 0/1 reward such as accuracy, pass@1), and with k > 0, k sampled at temperature
     (eval/mean@k, the mean score of the samples; eval/pass@k, the mean over prompts of the best sample's score: with a
-    0/1 reward, the share of prompts some sample solved). The samples draw their noise from a generator of their own
-    seeded with `seed`, by prompt, so an evaluation is the same on any number of processes and in a resumed run.
-    eval_set = (queries, texts, references or None, columns). Each process takes every world_size-th prompt. Returns
-    (metrics, samples) on the main process, (None, None) on the others; the samples (prompt, reference, completion,
-    score, ...) are what benchmark/judge_tldr.py judges. model: the policy as accelerate prepared it (PPO's
-    PolicyAndValue: its policy)."""
+    0/1 reward, the share of prompts some sample solved). As in training, a completion no source scored (each returned
+    None) has no score and is in no mean; eval/unscored (and eval/unscored@k) count them. The samples draw their noise
+    from a generator of their own seeded with `seed`, by prompt, so an evaluation is the same on any number of
+    processes and in a resumed run. eval_set = (queries, texts, references or None, columns). Each process takes every
+    world_size-th prompt. Returns (metrics, samples) on the main process, (None, None) on the others; the samples
+    (prompt, reference, completion, score, ...) are what benchmark/judge_tldr.py judges. model: the policy as accelerate
+    prepared it (PPO's PolicyAndValue: its policy)."""
     policy = accelerator.unwrap_model(model)
     policy = getattr(policy, "policy", policy)
     queries, texts, references, columns = eval_set
@@ -636,7 +663,9 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             columns={name: [values[i] for i in idx for _ in range(repeat)] for name, values in columns.items()},
             stop_token_id=stop_token_id,
         )
-        scores = weighted_scores(per_source, sources)[0]
+        scores, scored = weighted_scores(per_source, sources)
+        scores = scores.masked_fill(~scored, math.nan).tolist()  # NaN: no source scored it
+        scores = [None if math.isnan(x) else x for x in scores]
         stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
         completions = tokenizer.batch_decode(response, skip_special_tokens=True)
         return completions, per_source, scores, lengths, stopped
@@ -655,7 +684,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
                     "prompt": texts[i],
                     "reference": references[i] if references is not None else None,
                     "completion": completions[j].strip(),
-                    "score": scores[j].item(),
+                    "score": scores[j],
                     "length": lengths[j].item(),
                     "stopped": bool(stopped[j]),
                 }
@@ -663,7 +692,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
                     sample["rewards"] = {s["name"]: per_source[n, j].item() for n, s in enumerate(sources)}
                 if k:
                     sample["samples"] = [
-                        {"completion": sampled[j * k + r].strip(), "score": sampled_scores[j * k + r].item()} for r in range(k)
+                        {"completion": sampled[j * k + r].strip(), "score": sampled_scores[j * k + r]} for r in range(k)
                     ]
                 samples.append(sample)
     samples = gather_object(samples)
@@ -671,18 +700,23 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
         return None, None
     samples.sort(key=lambda s: s["index"])
     n = len(samples)
+    mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
+    scored = [s["score"] for s in samples if s["score"] is not None]  # a completion no source scored is in no mean
     metrics = {
-        "eval/scores": sum(s["score"] for s in samples) / n,
+        "eval/scores": mean(scored),
+        "eval/unscored": n - len(scored),
         "eval/response_length": sum(s["length"] for s in samples) / n,
         "eval/stopped_fraction": sum(s["stopped"] for s in samples) / n,
     }
     if len(sources) > 1:  # each source's mean over the greedy completions it scored
         for s in sources:
             values = [x["rewards"][s["name"]] for x in samples if not math.isnan(x["rewards"][s["name"]])]
-            metrics[f"eval/rewards/{s['name']}"] = sum(values) / len(values) if values else math.nan
-    if k:
-        metrics[f"eval/mean@{k}"] = sum(x["score"] for s in samples for x in s["samples"]) / (n * k)
-        metrics[f"eval/pass@{k}"] = sum(max(x["score"] for x in s["samples"]) for s in samples) / n
+            metrics[f"eval/rewards/{s['name']}"] = mean(values)
+    if k:  # over the scored samples, and the prompts with one
+        sampled = [[x["score"] for x in s["samples"] if x["score"] is not None] for s in samples]
+        metrics[f"eval/mean@{k}"] = mean([x for scores in sampled for x in scores])
+        metrics[f"eval/pass@{k}"] = mean([max(scores) for scores in sampled if scores])
+        metrics[f"eval/unscored@{k}"] = n * k - sum(map(len, sampled))
     return metrics, samples
 
 
@@ -765,7 +799,7 @@ def write_model_card(args, script, algorithm, doc, base_model, sources):
         kind = f"reward model `{source['path']}`" if "model" in source else f"function `{source['spec']}`"
         lines.append(f"| {source['name']} | {kind} | {source['weight']:g} |")
 
-    # the latest value of each metric: the last row, and in the TL;DR scripts the last evaluation's too
+    # the latest value of each metric: the last row, and with a held-out evaluation the last evaluation's too
     latest = {}
     path = os.path.join(args.output_dir, "metrics.jsonl")
     if os.path.exists(path):
@@ -873,6 +907,9 @@ def setup(args):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
     if getattr(args, "max_sampling_rounds", 1) < 1:  # rloo.py's and grpo.py's --dynamic_sampling
         die(f"--max_sampling_rounds must be at least 1, got {args.max_sampling_rounds}")
+    if getattr(args, "dynamic_sampling", False) and args.use_score_scaling and args.score_clip is not None:
+        # which groups the clip makes flat would depend on the running scale, which takes in the batch being chosen
+        die("--dynamic_sampling filters on clipped scores: use --score_clip or --use_score_scaling with it, not both")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
@@ -1026,14 +1063,19 @@ def vllm_engine(accelerator, args, policy):
     its share of the prompts (vLLM's external_launcher: the engines join the processes' torch.distributed world). It
     reads no tokenizer (prompts go in as token ids) and reports the logprobs of the distribution it samples from
     (logits / temperature). On a machine without CUDA it is vLLM's CPU build, given a KV cache of
-    VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and this process's share of the cores."""
+    VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and this process's share of the cores. vLLM logs its errors only
+    (VLLM_LOGGING_LEVEL=INFO shows the rest). A model the engine cannot run stops the run here, in one line."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, to sync in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         cores = sorted(os.sched_getaffinity(0))
         share = max(1, len(cores) // accelerator.num_processes)
         mine = cores[accelerator.local_process_index * share :][:share] or cores[-share:]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+    # (its loggers, before vLLM sets them up as it imports: some log as it does)
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    start = time.time()
     try:
         from vllm import LLM
     except ImportError:
@@ -1041,13 +1083,19 @@ def vllm_engine(accelerator, args, policy):
     backend = "uni" if args.vllm_tensor_parallel_size == 1 else None
     if accelerator.num_processes > 1:
         backend = "external_launcher"
-    # vLLM seeds the random, numpy and torch streams of the process it starts in: the run's own are kept as they were
-    # (each process's, from setup)
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # (LoRA: the model under peft)
+    config = copy.deepcopy(base.config)
+    config.architectures = [type(base).__name__]  # (a model built from a config has none): the engine's model class
+    # vLLM seeds the random, numpy and torch streams of the process it starts in (and its checks below draw from them):
+    # the run's own are kept as they were (each process's, from setup)
     streams = random.getstate(), np.random.get_state()
     devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
-    with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=devices):
-        policy.config.save_pretrained(folder)
-        engine = LLM(
+    with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (vLLM's own use of deprecated torch names)
+        config.save_pretrained(folder)
+        engine = vllm_or_die(
+            LLM,
+            config.model_type,
             model=folder,
             load_format="dummy",
             skip_tokenizer_init=True,
@@ -1061,6 +1109,79 @@ def vllm_engine(accelerator, args, policy):
             enforce_eager=args.vllm_enforce_eager,
             distributed_executor_backend=backend,
         )
+        check_vllm_engine(engine, config.model_type)
+        check_vllm_logprobs(engine, policy, config.model_type, bf16=args.bf16)
     random.setstate(streams[0])
     np.random.set_state(streams[1])
+    if accelerator.is_main_process:
+        mode = "eager" if args.vllm_enforce_eager else "compiled"
+        print(f"vLLM engine ready in {time.time() - start:.1f} s ({config.model_type}, {mode})")
     return engine
+
+
+def check_vllm_engine(engine, model_type):
+    """Make the trainer's models and the engine live side by side, or stop in one line. A family vLLM has no model of
+    runs on transformers' own classes, which vLLM changes in place for its compiler (a __call__ that reads an attribute
+    only the engine's instances have): the trainer's instances of those classes run as before, uncompiled. A head size
+    vLLM's CPU attention lacks, and anything else the engine cannot run, is found here by generating one token, not
+    deep inside the first rollout."""
+    from vllm import SamplingParams
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    for cls in TorchCompileWithNoGuardsWrapper.__subclasses__():
+        if cls.__module__.startswith("transformers.") and "do_not_compile" not in vars(cls):
+            cls.do_not_compile = True
+    if not torch.cuda.is_available():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head = engine.llm_engine.model_config.get_head_size()
+        if not CPUAttentionBackend.supports_head_size(head):
+            sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+            die(f"--use_vllm: vLLM's CPU attention takes head sizes {sizes}; this {model_type} model's is {head}")
+    vllm_or_die(engine.generate, model_type, [{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    engine.reset_prefix_cache()
+    # whether the engine's model has an output projection of its own to sync (some compute the logits from the
+    # embeddings they tie it to)
+    engine.has_lm_head = all(engine.collective_rpc(has_lm_head))
+
+
+@torch.no_grad()
+def check_vllm_logprobs(engine, policy, model_type, bf16):
+    """Stop the run in one line unless the engine, given the policy's weights, samples from the policy's distribution:
+    its logprobs of 16 tokens it samples from two prompts against the policy's own. A family that vLLM computes or
+    loads in place otherwise (an ALiBi or mixture-of-experts layer on vLLM's CPU build, say) is refused here. In fp32
+    every logprob must agree within 1e-2 (where they agree, they do within 1e-5); a bf16 engine differs by rounding,
+    so there only the mean difference is held, to 0.05 (rounding: about 0.01)."""
+    from utils import forward, logprobs_from_logits, vllm_generate, vllm_sync
+
+    vllm_or_die(vllm_sync, model_type, engine, policy)
+    device = next(policy.parameters()).device
+    queries, mask = left_pad([[1, 2, 3, 4], [5, 6]], pad_token_id=0)
+    generate_or_die = functools.partial(vllm_or_die, vllm_generate, model_type)
+    responses, engine_logprobs = generate_or_die(engine, queries, mask, k=2, max_tokens=8, temperature=1.0,
+                                                 stop_token_id=None, seeds=[1, 2], pad_token_id=0)  # fmt: skip
+    queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+    ids, mask = torch.cat([queries, responses], 1).to(device), torch.cat([mask, torch.ones_like(responses)], 1).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = forward(policy, ids, mask).logits[:, queries.shape[1] - 1 : -1]
+    diff = (logprobs_from_logits(logits, responses.to(device)) - engine_logprobs.to(device)).abs()
+    if (diff.mean() > 0.05) if bf16 else (diff.max() > 1e-2):
+        die(
+            f"--use_vllm: vLLM's logprobs of this {model_type} model differ from the trainer's (by up to {diff.max():.3g} "
+            "with the same weights): it computes or loads the model otherwise; train without --use_vllm"
+        )
+
+
+def has_lm_head(worker):
+    """(run by each of an engine's workers) whether its model has an lm_head parameter"""
+    params = worker.model_runner.model.named_parameters(remove_duplicate=False)  # (one tied to the embeddings too)
+    return any(name.startswith("lm_head.") for name, _ in params)
+
+
+def vllm_or_die(fn, model_type, *args, **kwargs):
+    """fn(*args, **kwargs) of vLLM's, or the run stopped in one line when vLLM cannot run the model."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (vLLM raises many kinds)
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        die(f"--use_vllm: vLLM cannot run this {model_type} model ({reason}); train without --use_vllm")

@@ -490,11 +490,12 @@ if __name__ == "__main__":
             # 1. completions: the vLLM engine's (--use_vllm), else sampled here
             sampled, engine_logprobs = sample(unwrapped.policy, queries, query_mask, uniforms, seeds, max_length)
 
-            # copy: score the rollout
             # 2. truncated after the stop token (everything after it is padding) and scored: each reward source's
             # (sources, rows), NaN where one returned None; reward models read the last real token, functions the
             # decoded text and the rows' dataset columns
             responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+
+            # copy: rollout masks
             width = responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             query_responses = torch.cat([queries, responses], 1)
@@ -571,13 +572,19 @@ if __name__ == "__main__":
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = utils.masked_whiten(advantages, train_mask, reduce=reduce_sum).masked_fill(~train_mask, 0.0)
 
-            # --use_vllm: the engine sampled; each token's probability under the trainer over the engine's, truncated
-            # (TIS), weighs its policy loss
+            # --use_vllm: the engine sampled; each token's (or completion's) probability under the trainer over the
+            # engine's, truncated or masked (--vllm_importance_sampling_mode), weighs its policy loss
             is_weight = torch.ones_like(logprobs)
             if engine is not None:
-                is_weight, vllm_stats = utils.truncated_importance_weights(
-                    logprobs, engine_logprobs, padding_mask, cap=args.vllm_importance_sampling_cap
+                is_weight, vllm_stats = utils.importance_weights(
+                    logprobs,
+                    engine_logprobs,
+                    padding_mask,
+                    mode=args.vllm_importance_sampling_mode or "token_truncate",
+                    clip_min=args.vllm_importance_sampling_clip_min,
+                    clip_max=args.vllm_importance_sampling_clip_max,
                 )
+                is_weight = is_weight.reshape(len(is_weight), -1)  # (rows, width), or (rows, 1) for a completion's
             # end copy
 
         # copy: ppo update
@@ -703,12 +710,11 @@ if __name__ == "__main__":
             # end copy
 
         # copy: log the update
-        means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
         num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
         source_stats = infra.reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
-        metrics.update(zip(stats.keys(), means))
+        metrics.update(infra.reduce_stats(accelerator, stats))  # means over the processes (maxima: their max)
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
         if args.use_score_scaling:  # the running moments this update's scores were scaled with

@@ -50,11 +50,12 @@ class Args(infra.RunArgs):  # RunArgs (infra.py): the flags every script shares 
     ratio_threshold: Optional[float] = None
     """a micro-batch whose mean sequence probability ratio exceeds this contributes no gradient (TRL)"""
     normalize_advantage: bool = False
-    """normalise advantages to zero mean and unit std over the batch"""
+    """normalise advantages to zero mean and unit std over the batch (all processes' scored completions)"""
     # copy: dynamic sampling args
     dynamic_sampling: bool = False
-    """drop the groups whose completions all got the same score (no advantage, no gradient) and fill the batch with
-    groups of new prompts, generated in further rounds (DAPO's dynamic sampling)"""
+    """drop the groups whose completions all got the same score (the one the advantages use: their scores tell them
+    nothing apart, though a KL term may) and fill the batch with groups of new prompts, generated and scored in further
+    rounds (DAPO's dynamic sampling)"""
     max_sampling_rounds: int = 3
     """with --dynamic_sampling, the most generation rounds per update, the first included; a batch still short then is
     filled with dropped groups, earliest first"""
@@ -165,6 +166,8 @@ if __name__ == "__main__":
             f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
             f"must be a multiple of --rloo_k {args.rloo_k}"
         )
+    if (args.vllm_importance_sampling_mode or "sequence").startswith("token"):
+        utils.die("RLOO's ratio is the completion's: --vllm_importance_sampling_mode sequence_truncate or sequence_mask")
     k = args.rloo_k  # completions per prompt
     args.local_prompts = args.local_batch_size // k
 
@@ -339,38 +342,45 @@ if __name__ == "__main__":
         to learn from. Generates and scores the groups of this process's prompts idx, then of further batches of
         prompts drawn as the first (at most --max_sampling_rounds rounds, as many on every process), until every
         process has local_prompts groups whose scores differ; keeps the first of them, in order (a batch still short
-        is filled with dropped groups, earliest first). Returns the kept prompts, their completions as generated
-        (prompts * k, width), the engine's logprobs of them (--use_vllm; else None) and the sampling's metrics."""
+        is filled with dropped groups, earliest first). Each completion is scored once, as it is generated. Returns
+        the kept prompts, their completions truncated after the stop token (prompts * k, their longest), lengths, each
+        source's scores (sources, prompts * k), the engine's logprobs (--use_vllm; else None) and the metrics."""
         unwrapped = accelerator.unwrap_model(policy)
-        groups, keep = [], []  # (prompt, completions, engine logprobs) per group; whether its scores differ
+        groups, keep = [], []  # (prompt, completions, lengths, scores, engine logprobs) per group; whether scores differ
         for rounds in range(1, args.max_sampling_rounds + 1):
             if rounds > 1:  # every round generates up to the update's max_length
                 idx, uniforms, _, seeds = infra.draw_prompts(data, args, k, accelerator.process_index)
             queries, query_mask, texts, row_columns = prompt_rows(idx)
             sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
-            responses, _, per_source = score(queries, query_mask, sampled, texts, row_columns)
-            # the score the advantages see: the sources' weighted sum, less the missing-EOS penalty
+            responses, lengths, per_source = score(queries, query_mask, sampled, texts, row_columns)
+            # the score the advantages see: the sources' weighted sum, less the missing-EOS penalty, clipped (the running
+            # scale of --use_score_scaling, positive, makes no group flat that was not)
             scores, scored = utils.weighted_scores(per_source, sources)
             if stop_token_id is not None and args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~(responses == stop_token_id).any(1)).float()
-            keep += utils.distinct_groups(scores, scored, k).tolist()
+            keep += utils.distinct_groups(utils.scale_scores(scores, scored, clip=args.score_clip), scored, k).tolist()
             for j, i in enumerate(idx):
                 rows = slice(j * k, (j + 1) * k)
-                groups.append((i, sampled[rows], engine_logprobs[rows] if engine is not None else None))
+                engine_rows = engine_logprobs[rows] if engine is not None else None
+                groups.append((i, responses[rows], lengths[rows], per_source[:, rows], engine_rows))
             short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=device))
             if short.item() == 0:  # every process has enough
                 break
         chosen, filled = utils.select_groups(keep, args.local_prompts)
-        idx = [groups[g][0] for g in chosen]
-        sampled = utils.pad_cat([groups[g][1] for g in chosen], tokenizer.pad_token_id)
-        engine_logprobs = None
+        idx, responses, lengths, per_source, engine_logprobs = (list(x) for x in zip(*(groups[g] for g in chosen)))
+        # as wide as the kept completions' longest, which may be narrower than the rounds they came from
+        lengths, per_source = torch.cat(lengths), torch.cat(per_source, 1)
+        width = int(lengths.max())
+        responses = utils.pad_cat(responses, tokenizer.pad_token_id)[:, :width]
         if engine is not None:
-            engine_logprobs = utils.pad_cat([groups[g][2] for g in chosen], utils.INVALID_LOGPROB)
+            engine_logprobs = utils.pad_cat(engine_logprobs, utils.INVALID_LOGPROB)[:, :width]
+        else:
+            engine_logprobs = None
         counts = torch.tensor([len(keep), len(keep) - sum(keep), filled], device=device, dtype=torch.float)
         generated, dropped, filled = reduce_sum(counts).tolist()  # groups, on all processes
         stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/generated": generated}
         stats.update({"dynamic_sampling/dropped": dropped, "dynamic_sampling/filled": filled})
-        return idx, sampled, engine_logprobs, stats
+        return idx, responses, lengths, per_source, engine_logprobs, stats
 
     # end copy
 
@@ -397,10 +407,10 @@ if __name__ == "__main__":
             utils.vllm_sync(engine, accelerator.unwrap_model(policy))
 
         # copy: dynamic sampling
-        sampled, dynamic_stats = None, {}  # completions made before the rollout (--dynamic_sampling's); none
+        dynamic, dynamic_stats = None, {}  # --dynamic_sampling's completions, scored as they were sampled; none
         if args.dynamic_sampling:  # without gradients and in the rollout's precision, as the rollout generates
             with torch.no_grad(), accelerator.autocast():
-                idx, sampled, engine_logprobs, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
+                idx, *dynamic, dynamic_stats = sample_groups(idx, uniforms, seeds, max_length)
         # end copy
 
         # copy: prompt rows
@@ -412,15 +422,17 @@ if __name__ == "__main__":
         # wrap: at the first update the policy and the reference then give identical logprobs
         with torch.no_grad(), accelerator.autocast():
             unwrapped = accelerator.unwrap_model(policy)
-            # 1. completions, unless --dynamic_sampling made them: the vLLM engine's (--use_vllm), else sampled here
-            if sampled is None:
-                sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
-
-            # copy: score the rollout
+            # 1. completions: the vLLM engine's (--use_vllm), else sampled here
             # 2. truncated after the stop token (everything after it is padding) and scored: each reward source's
             # (sources, rows), NaN where one returned None; reward models read the last real token, functions the
             # decoded text and the rows' dataset columns
-            responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+            if dynamic is None:
+                sampled, engine_logprobs = sample(unwrapped, queries, query_mask, uniforms, seeds, max_length)
+                responses, lengths, per_source = score(queries, query_mask, sampled, texts, batch_columns)
+            else:  # --dynamic_sampling sampled and scored them, in rounds
+                responses, lengths, per_source, engine_logprobs = dynamic
+
+            # copy: rollout masks
             width = responses.shape[1]
             padding_mask = torch.arange(width, device=device)[None, :] >= lengths[:, None]  # True on padding
             query_responses = torch.cat([queries, responses], 1)
@@ -466,11 +478,16 @@ if __name__ == "__main__":
             scores, score_moments = utils.transform_scores(scores, scored, score_moments, args, reduce=reduce_sum)
             # end copy
             # --use_vllm: the engine sampled; each completion's probability under the trainer over the engine's,
-            # truncated (TIS), weighs its loss (the completion's: RLOO's ratio is the sequence's)
+            # truncated or masked (--vllm_importance_sampling_mode), weighs its loss (RLOO's ratio is the sequence's)
             is_weight = torch.ones_like(scores)
             if engine is not None:
-                is_weight, vllm_stats = utils.truncated_importance_weights(
-                    logprobs, engine_logprobs, padding_mask, cap=args.vllm_importance_sampling_cap, level="sequence"
+                is_weight, vllm_stats = utils.importance_weights(
+                    logprobs,
+                    engine_logprobs,
+                    padding_mask,
+                    mode=args.vllm_importance_sampling_mode or "sequence_truncate",
+                    clip_min=args.vllm_importance_sampling_clip_min,
+                    clip_max=args.vllm_importance_sampling_clip_max,
                 )
 
             # 3. KL penalty: the per-token estimate (or the exact KL) against the reference, zero on padding, summed
@@ -485,9 +502,8 @@ if __name__ == "__main__":
 
             # 4. RLOO: advantages from the leave-one-out baseline
             advantages = rloo_advantages(rlhf_reward, args.rloo_k, scored)
-            if args.normalize_advantage:  # over the scored completions; the others keep 0
-                mean, std = advantages[scored].mean(), advantages[scored].std()
-                advantages = ((advantages - mean) / (std + 1e-8)).nan_to_num(0.0).masked_fill(~scored, 0.0)
+            if args.normalize_advantage:  # over the global batch's scored completions; the others keep 0
+                advantages = utils.masked_whiten(advantages, scored, reduce=reduce_sum).masked_fill(~scored, 0.0)
             seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
@@ -587,12 +603,11 @@ if __name__ == "__main__":
                 stats.update(vllm_stats)
 
         # copy: log the update
-        means = accelerator.reduce(torch.stack(list(stats.values())), reduction="mean").tolist()
         num_eos = accelerator.reduce(contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
         source_stats = infra.reward_stats(accelerator, per_source, sources, scores=raw_scores, scored=scored)
         metrics = {"episode": episode, "eps": (episode - start_episode) / (time.time() - start_time), "lr": lr}
-        metrics.update(zip(stats.keys(), means))
+        metrics.update(infra.reduce_stats(accelerator, stats))  # means over the processes (maxima: their max)
         metrics["val/num_eos_tokens"] = num_eos
         metrics.update(source_stats)
         if args.use_score_scaling:  # the running moments this update's scores were scaled with

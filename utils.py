@@ -405,6 +405,13 @@ def vllm_sync(engine, model):
         head = base.get_output_embeddings()
         if head is not None and "lm_head.weight" not in state:
             state["lm_head.weight"] = head.weight
+        if not getattr(engine, "has_lm_head", True):  # (an engine that computes the logits from the embeddings)
+            state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+        # the checkpoint's names and layout, which the engine loads: transformers fuses some weights as it loads them
+        # (a mixture of experts' into one tensor per layer) and splits them again as it saves
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(base, state)
         engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state.items())))
     engine.reset_prefix_cache()
 
@@ -420,7 +427,10 @@ def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_
     prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
     stop = [stop_token_id] if stop_token_id is not None else None
     params = [
-        SamplingParams(n=k, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=int(s), stop_token_ids=stop)
+        # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
+        SamplingParams(
+            n=k, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True
+        )  # fmt: skip
         for s in seeds
     ]
     rows = [c for out in engine.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -513,27 +523,35 @@ def score_completions(sources, tokenizer, queries, query_mask, responses, *, pro
     return responses, lengths, torch.cat(per_source, 1)
 
 
-def truncated_importance_weights(logprobs, engine_logprobs, padding_mask, cap, level="token"):
-    """Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
-    RL Training"): the trainer's probability of each sampled token over the engine's, min(ratio, cap), so that a loss
-    computed as if the trainer had sampled is corrected for the engine having sampled. level token: one weight per
-    token (rows, width), 1 on padding; sequence: one per completion (rows,), the ratio of the completions'
-    probabilities. Returns the weights and their metrics: the mean |logprob difference| over real tokens, its max, and
-    the fraction of weights capped."""
+def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=None, clip_max=3.0):
+    """Importance sampling of an engine's samples (TRL's vllm_importance_sampling_mode; Yao et al. 2025, "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the trainer's probability of what the engine
+    sampled over the engine's, so that a loss computed as if the trainer had sampled is corrected for the engine
+    having sampled. mode token_*: one weight per token (rows, width), 1 on padding; sequence_*: one per completion
+    (rows,), the ratio of the completions' probabilities. *_truncate: the ratio clipped to [clip_min, clip_max];
+    *_mask: the ratio, or 0 outside [clip_min, clip_max] (a bound None: none). Returns the weights and their metrics:
+    the mean and max |logprob difference| over real tokens, and the fraction of ratios outside the bounds."""
     real = ~padding_mask
     diff = (logprobs - engine_logprobs).masked_fill(padding_mask, 0.0)
+    level, action = mode.split("_")
+    ratio = diff.sum(1).exp() if level == "sequence" else diff.exp()
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    outside = (ratio < low) | (ratio > high)
     if level == "sequence":
-        ratio = diff.sum(1).exp()
-        capped = (ratio > cap).float().mean()
+        fraction = outside.float().mean()
     else:
-        ratio = diff.exp()
-        capped = ((ratio > cap) & real).sum() / real.sum().clamp(min=1)
+        outside &= real
+        fraction = outside.sum() / real.sum().clamp(min=1)
+    weights = ratio.clamp(low, high) if action == "truncate" else ratio.masked_fill(outside, 0.0)
+    if level == "token":
+        weights = weights.masked_fill(padding_mask, 1.0)
     stats = {
         "vllm/logprob_diff_mean": diff.abs().sum() / real.sum().clamp(min=1),
         "vllm/logprob_diff_max": diff.abs().max(),
-        "vllm/capped_fraction": capped,
+        "vllm/capped_fraction": fraction,
     }
-    return ratio.clamp(max=cap), stats
+    return weights, stats
 
 
 def distinct_groups(scores, scored, k):

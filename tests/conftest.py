@@ -238,19 +238,27 @@ def tldr_dir(tmp_path_factory):
 def eos_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny policy made to produce its EOS token about a third of the time (a constant direction added to the final
     hidden state, read by the EOS row of the output layer): rows and processes stop at different steps."""
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("eos_model"))
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return stop_a_third_of_the_time(tiny_model_dir, path)
+
+
+def stop_a_third_of_the_time(model_dir, path):
+    """A GPT-NeoX of model_dir, saved to path, made to produce its EOS token about a third of the time: a constant
+    direction added to the final hidden state, read by the EOS row of the output layer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     with torch.no_grad():
         norm = model.gpt_neox.final_layer_norm
         direction = torch.ones_like(norm.bias) / norm.bias.numel() ** 0.5
         norm.weight.mul_(0.1)
         norm.bias.copy_(direction)
         model.get_output_embeddings().weight[tokenizer.eos_token_id] = 5.5 * direction
-    path = str(tmp_path_factory.mktemp("eos_model"))
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     return path
 
 

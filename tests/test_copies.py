@@ -113,7 +113,7 @@ def test_no_unmarked_copy_of_20_lines():
 def test_every_script_shares_the_common_blocks():
     """Each script marks the blocks that every script runs (so that none can drift unseen); the plumbing they share is
     called from infra.py instead."""
-    common = {"draw prompts", "rows, sampling and scoring", "score the rollout", "a chunk of the rollout"}
+    common = {"draw prompts", "rows, sampling and scoring", "rollout masks", "a chunk of the rollout"}
     common |= {"gather the rollout", "log the update", "write the metrics"}
     for script in SCRIPTS:
         assert common <= set(blocks(open(os.path.join(REPO, script)).read(), script)), script

@@ -65,8 +65,11 @@ def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_fi
     # the same evaluation on any number of processes and in a resumed run
     held_out = f" --eval_dataset_name {tiny_prompts_file} --eval_every 32 --num_eval_generations 2 --eval_batch_size 16"
     return {
+        # the advantages' normalisation is the global batch's
         "rloo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4"
-        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common + held_out,
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2 --normalize_advantage"
+        + common
+        + held_out,
         # the batch's std and DAPO's token count (the default loss) are the global batch's: summed over processes
         "grpo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --num_generations 4"
         f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_iterations 2 --beta 0.1"
@@ -77,7 +80,7 @@ def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_fi
         # 9 evaluation prompts: the processes get 5 and 4, in 2 and 1 batches of 4
         "rloo_tldr.py": f"--sft_model_path {eos_model_dir} --reward_model_path {tiny_reward_model_dir}"
         f" --dataset_name {tldr_dir} --max_prompt_length 200 --total_episodes 32 --local_rollout_forward_batch_size 8"
-        " --num_mini_batches 1 --eval_examples 9 --eval_batch_size 4" + common,
+        " --num_mini_batches 1 --eval_examples 9 --eval_batch_size 4 --normalize_advantage" + common,
     }
 
 
@@ -311,3 +314,34 @@ def test_gradient_checkpointing_changes_only_memory(script, run, tmp_path, tiny_
         for key in a:
             if key != "eps":
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+REDUCE = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import infra
+from accelerate import Accelerator
+
+accelerator = Accelerator(kwargs_handlers=infra.process_group_kwargs())
+rank = accelerator.process_index
+stats = {{"loss/policy_avg": torch.tensor(1.0 + rank), "vllm/logprob_diff_max": torch.tensor([0.5, 0.25][rank])}}
+if accelerator.is_main_process:
+    print("REDUCED", infra.reduce_stats(accelerator, stats))
+else:
+    infra.reduce_stats(accelerator, stats)
+accelerator.wait_for_everyone()
+accelerator.end_training()  # (a process leaving the group before the other aborts it)
+"""
+
+
+def test_statistics_are_averaged_over_processes_and_maxima_maxed(tmp_path):
+    """A metric named *_max is the largest of the processes' values, the others their mean."""
+    from conftest import REPO
+
+    (tmp_path / "reduce.py").write_text(REDUCE.format(repo=REPO))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", str(tmp_path / "reduce.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ACCELERATE_USE_CPU": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reduced = eval(proc.stdout.split("REDUCED", 1)[1].strip().splitlines()[0])
+    assert reduced == {"loss/policy_avg": 1.5, "vllm/logprob_diff_max": 0.5}

@@ -16,14 +16,18 @@ sys.path.insert(0, REPO)
 import infra  # noqa: E402
 import utils  # noqa: E402
 
-# a constant score for prompts of four of the eight verbs (their groups carry no advantage), a score that differs
-# between any two different completions for the others
+# for prompts of four of the eight verbs, scores that differ but that the runs' --score_clip 1 makes all 1 (their
+# groups carry no advantage), for the others a score in [0, 1) that differs between any two different completions;
+# each call appends how many completions it scored to a file beside this one
 REWARD = """
 import zlib
 
 def flat_or_not(prompts, completions):
+    with open(__file__ + ".calls", "a") as f:
+        f.write(f"{len(completions)}\\n")
     flat = ("Tell me about", "Describe", "Explain", "Write a poem about")
-    return [1.0 if p.startswith(flat) else zlib.crc32(c.encode()) % 1000 / 1000 for p, c in zip(prompts, completions)]
+    crc = [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
+    return [2.0 + x if p.startswith(flat) else x for p, x in zip(prompts, crc)]
 """
 FLAT = ("Tell me about", "Describe", "Explain", "Write a poem about")
 
@@ -93,7 +97,7 @@ def command(script, model, train, reward, out, extra=""):
     k = {"rloo.py": "--rloo_k 4", "grpo.py": "--num_generations 4"}[script]
     return (
         f"{script} {k} --model_name_or_path {model} --dataset_name {train} --output_dir {out}"
-        f" --reward_fn {reward}:flat_or_not --dynamic_sampling --max_sampling_rounds 2 --log_completions"
+        f" --reward_fn {reward}:flat_or_not --score_clip 1 --dynamic_sampling --max_sampling_rounds 2 --log_completions"
         " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8 --temperature 1.0"
         f" --learning_rate 1e-3 --num_sample_generations 0 --no_save_model {extra}"
     )
@@ -109,6 +113,9 @@ def test_trained_batches_are_the_brute_force_selection(script, run, tmp_path, ti
     got, rows = trained_prompts(out, local_prompts=4, world_size=1, k=4)
     assert got == brute_force(texts, seed=1, updates=6, local_prompts=4, world_size=1, k=4, rounds=2)
     metrics = read_metrics(out)
+    # every completion is scored once, as it is generated: the kept ones are not scored again
+    calls = [int(n) for n in (tmp_path / "reward.py.calls").read_text().split()]
+    assert sum(calls) == 4 * sum(m["dynamic_sampling/generated"] for m in metrics)
     for m, batch in zip(metrics, got):
         flat = sum(t.startswith(FLAT) for t in batch[0])
         assert m["dynamic_sampling/filled"] == flat  # a flat group is only there to fill

@@ -10,13 +10,17 @@ import pytest
 import torch
 from test_rloo import check_ok, read_metrics
 
+# neither source judges the completions of prompts about a storm or a bridge (None): they are unscored
 REWARDS = """
 def vowels(prompts, completions):
-    return [sum(ch in "aeiou" for ch in c) / max(1, len(c)) for c in completions]
+    return [None if "storm" in p or "bridge" in p else sum(ch in "aeiou" for ch in c) / max(1, len(c))
+            for p, c in zip(prompts, completions)]
 
 def near(prompts, completions, target):
-    return [-abs(len(c) - t) / 10 for c, t in zip(completions, target)]
+    return [None if "storm" in p or "bridge" in p else -abs(len(c) - t) / 10
+            for p, c, t in zip(prompts, completions, target)]
 """
+UNSCORED = ("storm", "bridge")
 HELD_OUT = ["Tell me about the harbour", "Describe a storm", "Explain the bridge", "Write a poem about snow",
             "Give advice on the forest", "Share a fact about the moon", "Ask a question about a red kite"]  # fmt: skip
 
@@ -64,17 +68,22 @@ def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny
                                  pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]  # fmt: skip
         text = tokenizer.decode(new, skip_special_tokens=True)
         assert sample["completion"] == text.strip()
+        assert len(sample["samples"]) == 3 and len({x["completion"] for x in sample["samples"]}) > 1  # sampled, not greedy
+        if any(word in prompt for word in UNSCORED):  # no source scored it: no score, in no mean
+            assert sample["score"] is None and all(x["score"] is None for x in sample["samples"])
+            continue
         rewards = {"vowels": vowels(text), "near": -abs(len(text) - 30) / 10}  # the target of the held-out rows
         assert sample["rewards"] == pytest.approx(rewards)
         assert sample["score"] == pytest.approx(rewards["vowels"] + 0.5 * rewards["near"])
         scores.append(sample["score"])
-        assert len(sample["samples"]) == 3 and len({x["completion"] for x in sample["samples"]}) > 1  # sampled, not greedy
+    scored = [s for s in samples if s["score"] is not None]
     last = rows[-1]
+    assert len(scores) == len(scored) == len(HELD_OUT) - 2 and last["eval/unscored"] == 2
     assert last["eval/scores"] == pytest.approx(sum(scores) / len(scores))
-    assert last["eval/rewards/vowels"] == pytest.approx(sum(s["rewards"]["vowels"] for s in samples) / len(samples))
-    # mean@3: the mean over every sample; pass@3: the mean over prompts of the best sample
-    assert last["eval/mean@3"] == pytest.approx(sum(x["score"] for s in samples for x in s["samples"]) / (3 * len(samples)))
-    assert last["eval/pass@3"] == pytest.approx(sum(max(x["score"] for x in s["samples"]) for s in samples) / len(samples))
+    assert last["eval/rewards/vowels"] == pytest.approx(sum(s["rewards"]["vowels"] for s in scored) / len(scored))
+    # mean@3: the mean over every scored sample; pass@3: the mean over prompts of the best sample
+    assert last["eval/mean@3"] == pytest.approx(sum(x["score"] for s in scored for x in s["samples"]) / (3 * len(scored)))
+    assert last["eval/pass@3"] == pytest.approx(sum(max(x["score"] for x in s["samples"]) for s in scored) / len(scored))
     assert last["eval/pass@3"] > last["eval/mean@3"]
     # TensorBoard has the evaluation too
     assert os.listdir(out / "runs")

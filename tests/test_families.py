@@ -161,6 +161,25 @@ CASES = [(name, attn) for name in FAMILIES for attn in (["eager"] if name in EAG
 SUPPORTED = [case for case in CASES if FAMILIES[case[0]][1] is not None]
 
 
+def vllm_config(name):
+    """The family's config with attention heads of 32 (the smallest vLLM's CPU attention takes) and without the shared
+    test keys its class does not take (a GPT-NeoX config given num_key_value_heads would have vLLM read 2 kv heads)."""
+    import inspect
+
+    config = FAMILIES[name][0]()
+    for attr in ("hidden_size", "n_embd", "d_model"):
+        if isinstance(config.__dict__.get(attr), int):
+            setattr(config, attr, config.__dict__[attr] * 4)
+    if isinstance(config.__dict__.get("head_dim"), int):
+        config.head_dim = 32
+    if name == "deepseek_v3":
+        config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim = 16, 16, 32
+    if "num_key_value_heads" in config.__dict__:
+        if "num_key_value_heads" not in inspect.signature(type(config).__init__).parameters:
+            del config.num_key_value_heads
+    return config
+
+
 @functools.cache
 def build(name, attn):
     torch.manual_seed(0)

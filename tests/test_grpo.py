@@ -340,22 +340,31 @@ def test_gspo_sequence_ratio_matches_a_naive_loop():
     assert loss.item() == pytest.approx(sum(naive) / 4, rel=1e-5)
 
 
-def test_gspo_runs_and_differs_from_token_level(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+def test_gspo_runs_the_papers_objective(run, tmp_path, eos_model_dir, tiny_prompts_file):
+    """--importance_sampling_level sequence takes GSPO's per-sequence mean of the sequence loss (--loss_type grpo) by
+    default, not the default token sum (completions of different lengths, which it would weigh by their length), and
+    refuses another aggregation in one line; its ratios differ from the token-level ones on the same rollout."""
     rows = {}
-    for level in ("token", "sequence"):
-        out = tmp_path / level
+    for name, flags in [("token", "token"), ("sequence", "sequence"), ("grpo", "sequence --loss_type grpo")]:
+        out = tmp_path / name
         proc = run(
-            f"{common(tiny_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 16"
+            f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 16"
             " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_iterations 2 --response_length 8"
-            f" --learning_rate 3e-2 --temperature 1.0 --importance_sampling_level {level} --no_save_model --output_dir {out}",
+            f" --learning_rate 3e-2 --temperature 1.0 --importance_sampling_level {flags} --no_save_model --output_dir {out}",
             cwd=tmp_path,
         )
         check_ok(proc)
-        (rows[level],) = read_metrics(out)
-        assert all(math.isfinite(v) for v in rows[level].values())
+        (rows[name],) = read_metrics(out)
+        assert all(math.isfinite(v) for v in rows[name].values())
+    assert rows["token"]["completions/min_length"] < rows["token"]["completions/max_length"]  # lengths differ
     # the same rollout; the second iteration's ratios are the completions' under GSPO, the tokens' otherwise
     assert rows["token"]["objective/scores"] == rows["sequence"]["objective/scores"]
     assert rows["token"]["val/ratio"] != rows["sequence"]["val/ratio"]
+    assert rows["sequence"] == {**rows["grpo"], "eps": rows["sequence"]["eps"]}  # the per-sequence mean
+    proc = run(f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --importance_sampling_level sequence --loss_type dapo"
+               f" --output_dir {tmp_path / 'refused'}", cwd=tmp_path)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: GSPO's objective"), last
 
 
 @pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])

@@ -3,6 +3,7 @@ engine's logprobs against the trainer's, the weight sync, truncated importance s
 with it as a user would: learning, and a kill -9 then --resume giving the uninterrupted run."""
 
 import importlib.util
+import math
 import subprocess
 import sys
 import textwrap
@@ -19,31 +20,47 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 EAGER = "--use_vllm --vllm_enforce_eager"  # compiled graphs take a minute to build on a CPU
 
 
-def test_truncated_importance_weights_match_a_naive_loop():
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip_min, clip_max", [(None, 1.5), (0.5, 1.5), (0.8, None)])
+def test_importance_weights_match_a_naive_loop(mode, clip_min, clip_max):
+    """TRL's four modes: the trainer's probability over the engine's, per token or per completion, clipped to
+    [clip_min, clip_max] (truncate) or zero outside it (mask); padding weighs 1 and counts in no metric."""
     torch.manual_seed(0)
-    logprobs, engine = -torch.rand(4, 6) * 3, -torch.rand(4, 6) * 3
-    padding = torch.zeros(4, 6, dtype=torch.bool)
-    padding[1, 4:], padding[3, 1:] = True, True
-    cap = 1.5
-    tokens, stats = utils.truncated_importance_weights(logprobs, engine, padding, cap=cap)
-    sequences, _ = utils.truncated_importance_weights(logprobs, engine, padding, cap=cap, level="sequence")
-    diffs, capped, real = [], 0, 0
-    for i in range(4):
+    logprobs, engine = -torch.rand(6, 5) * 2, -torch.rand(6, 5) * 2
+    padding = torch.zeros(6, 5, dtype=torch.bool)
+    padding[1, 3:], padding[3, 1:] = True, True
+    weights, stats = utils.importance_weights(logprobs, engine, padding, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+
+    def weigh(ratio):
+        if mode.endswith("truncate"):
+            return min(max(ratio, low), high)
+        return ratio if low <= ratio <= high else 0.0
+
+    diffs, outside, counted = [], 0, 0
+    for i in range(6):
         total = 0.0
-        for t in range(6):
+        for t in range(5):
             if padding[i, t]:
-                assert tokens[i, t] == 1.0  # padding weighs nothing in a loss that masks it, and never overflows
+                if mode.startswith("token"):
+                    assert weights[i, t] == 1.0  # weighs nothing in a loss that masks it, and never overflows
                 continue
             d = (logprobs[i, t] - engine[i, t]).item()
             total += d
             diffs.append(abs(d))
-            real += 1
-            capped += pow(2.718281828459045, d) > cap
-            assert tokens[i, t].item() == pytest.approx(min(pow(2.718281828459045, d), cap), rel=1e-5)
-        assert sequences[i].item() == pytest.approx(min(pow(2.718281828459045, total), cap), rel=1e-5)
-    assert stats["vllm/logprob_diff_mean"].item() == pytest.approx(sum(diffs) / real, rel=1e-5)
+            if mode.startswith("token"):
+                assert weights[i, t].item() == pytest.approx(weigh(math.exp(d)), rel=1e-5)
+                outside += not low <= math.exp(d) <= high
+                counted += 1
+        if mode.startswith("sequence"):
+            assert weights[i].item() == pytest.approx(weigh(math.exp(total)), rel=1e-5)
+            outside += not low <= math.exp(total) <= high
+            counted += 1
+    assert stats["vllm/logprob_diff_mean"].item() == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
     assert stats["vllm/logprob_diff_max"].item() == pytest.approx(max(diffs), rel=1e-5)
-    assert stats["vllm/capped_fraction"].item() == pytest.approx(capped / real)
+    assert stats["vllm/capped_fraction"].item() == pytest.approx(outside / counted)
+    assert 0 < outside < counted  # the bounds act on some weights, not all
 
 
 ENGINE = """
@@ -59,7 +76,7 @@ draw = lambda: (torch.rand(3).tolist(), random.random(), numpy.random.rand())  #
 streams = torch.get_rng_state(), random.getstate(), numpy.random.get_state()
 expected = draw()
 torch.set_rng_state(streams[0]); random.setstate(streams[1]); numpy.random.set_state(streams[2])
-engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0), args, policy)
+engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0, is_main_process=True), args, policy)
 streams_kept = draw() == expected  # the engine seeds them as it starts; vllm_engine puts them back
 queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
 
@@ -186,7 +203,9 @@ def test_bf16_and_gradient_checkpointing_run_with_vllm(run, tmp_path, tiny_llama
 def test_refusals_are_one_line(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
     for script, extra, expected in [
         ("ppo.py", "--vllm_tensor_parallel_size 0", "error: --vllm_gpu_memory_utilization must be in (0, 1]"),
-        ("grpo.py", "--vllm_importance_sampling_cap 0", "error: --vllm_importance_sampling_cap must be positive"),
+        ("grpo.py", "--vllm_importance_sampling_cap 0", "error: --vllm_importance_sampling_clip_max must be > 0"),
+        ("rloo.py", "--vllm_importance_sampling_mode token_mask", "error: RLOO's ratio is the completion's"),
+        ("grpo.py", "--dynamic_sampling --use_score_scaling --score_clip 1", "error: --dynamic_sampling filters on clipped"),
     ]:
         proc = run(f"{script} --use_vllm --model_name_or_path {tiny_llama_dir} --dataset_name {tiny_prompts_file} {extra}",
                    cwd=tmp_path)  # fmt: skip
@@ -200,9 +219,12 @@ def test_the_importance_weights_scale_the_loss(script, run, tmp_path, tiny_llama
     (tmp_path / "reward.py").write_text(VOWELS)
     extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 16 --no_save_model"
     losses = {}
-    for cap in (3.0, 1e-9):  # a cap below every ratio: each sample's weight is the cap
+    for cap in (3.0, 1e-9):  # a cap below every ratio: each sample's weight is the cap (set by TRL's deprecated name)
         out = tmp_path / str(cap)
-        command = vllm_command(script, tiny_llama_dir, tiny_prompts_file, out, f"{extra} --vllm_importance_sampling_cap {cap}")
+        name = "clip_max" if cap > 1 else "cap"
+        command = vllm_command(
+            script, tiny_llama_dir, tiny_prompts_file, out, f"{extra} --vllm_importance_sampling_{name} {cap}"
+        )
         check_ok(run(command, cwd=tmp_path))
         (row,) = read_metrics(out)
         losses[cap] = row["loss/policy_avg"]
@@ -267,3 +289,128 @@ def test_kill_then_resume_with_vllm_under_two_processes(tmp_path, vllm_runs):
     assert 3 <= kill_after_rows(proc, cut, 3, group=True) < 6
     check_ok(launch(2, "rloo.py", f"{args} --output_dir {cut} --resume", tmp_path, config))
     assert without_eps(read_metrics(cut)) == without_eps(expected)
+
+
+def save_family(name, tokenizer_dir, path):
+    """tests/test_families.py's miniature of a family, with vLLM-sized heads and the tiny tokenizer's vocabulary."""
+    from test_families import vllm_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = vllm_config(name)
+    config.vocab_size, config.eos_token_id = len(tokenizer), tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", ["rloo_tldr.py", "ppo_tldr.py"])
+def test_tldr_scripts_run_gpt_neox_with_vllm(script, run, tmp_path, tiny_tokenizer_dir, tiny_reward_model_dir, tldr_dir):
+    """GPT-NeoX (Pythia), the TL;DR scripts' family, which vLLM runs on transformers' own classes: the engine starts
+    beside the trainer's models of those classes, and samples what the trainer's policy would (fp32)."""
+    from test_tldr import small
+
+    model = save_family("gpt_neox", tiny_tokenizer_dir, tmp_path / "neox")
+    out = tmp_path / "out"
+    proc = run(small(script, tldr_dir, model, tiny_reward_model_dir, out, f"{EAGER} --total_episodes 16 --no_save_model"),
+               tmp_path)  # fmt: skip
+    check_ok(proc)
+    rows = [r for r in read_metrics(out) if "vllm/logprob_diff_max" in r]
+    assert len(rows) == 1 and rows[0]["vllm/logprob_diff_max"] < 1e-3, rows
+    # what a user sees of vLLM: one line saying the engine started, not its log (errors only)
+    assert "vLLM engine ready in" in proc.stdout and "(MainProcess" not in proc.stdout + proc.stderr
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert not [line for line in lines if "vllm" in line.lower() and not line.startswith(("│", "vLLM engine ready"))]
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "family, message",
+    [
+        ("head16", "error: --use_vllm: vLLM's CPU attention takes head sizes 32, 64"),  # the test suite's tiny GPT-NeoX
+        ("gpt_neo", "error: --use_vllm: vLLM cannot run this gpt_neo model (1 validation error"),  # no model in vLLM
+        ("mixtral", "error: --use_vllm: vLLM's logprobs of this mixtral model differ from the trainer's"),  # not reloaded
+    ],
+)
+def test_what_vllm_cannot_run_is_refused_in_one_line(family, message, run, tmp_path, tiny_model_dir, tiny_tokenizer_dir,
+                                                     tiny_prompts_file):  # fmt: skip
+    """A model vLLM cannot run, or runs otherwise than the trainer, stops the run in one line before any update:
+    benchmark/results/vllm_families has the whole family matrix."""
+    model = tiny_model_dir if family == "head16" else save_family(family, tiny_tokenizer_dir, tmp_path / family)
+    out = tmp_path / "out"
+    proc = run(vllm_command("rloo.py", model, tiny_prompts_file, out, "--total_episodes 16 --per_device_train_batch_size 8"),
+               tmp_path)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith(message), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (out / "metrics.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def eos_neox_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A GPT-NeoX with vLLM-sized heads that produces its EOS token about a third of the time, so that completions end
+    at different lengths."""
+    from conftest import stop_a_third_of_the_time
+
+    path = save_family("gpt_neox", tiny_tokenizer_dir, tmp_path_factory.mktemp("eos_neox"))
+    return stop_a_third_of_the_time(path, path)
+
+
+# the group holding a call's longest completion (in characters) gets one score, every other completion its own
+LONGEST_FLAT = """
+import zlib
+
+def longest_flat(prompts, completions):
+    longest = max(range(len(completions)), key=lambda i: len(completions[i])) // 4
+    return [1.0 if i // 4 == longest else zlib.crc32(c.encode()) % 1000 / 1000 for i, c in enumerate(completions)]
+"""
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+def test_dynamic_sampling_with_vllm_and_the_other_rollout_flags(script, run, tmp_path, eos_neox_dir, tiny_prompts_file):
+    """--dynamic_sampling with --use_vllm, where the kept groups are all shorter than a dropped one (so the batch is
+    narrower than the round that sampled it, and the engine's logprobs must be cut with the completions), together
+    with the other rollout flags that can meet them: a drawn length bound, score scaling and, in grpo.py, the overlong
+    filter. (The missing-EOS penalty would make the longest group's scores differ: tests/test_knobs_scores.py.)"""
+    (tmp_path / "reward.py").write_text(LONGEST_FLAT)
+    extra = (
+        f"--reward_fn {tmp_path}/reward.py:longest_flat --dynamic_sampling --max_sampling_rounds 2 --total_episodes 48"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --temperature 1.0 --no_save_model"
+        " --response_length_min 6 --use_score_scaling --use_score_norm"
+    )
+    if script == "grpo.py":
+        extra += " --mask_truncated_completions"
+    out = tmp_path / "out"
+    check_ok(run(vllm_command(script, eos_neox_dir, tiny_prompts_file, out, extra), cwd=tmp_path))
+    rows = read_metrics(out)
+    assert len(rows) == 3 and all(r["vllm/logprob_diff_max"] < 1e-3 for r in rows), rows
+    assert sum(r["dynamic_sampling/dropped"] for r in rows) >= 3  # a group dropped in every update
+
+
+@needs_vllm
+def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
+    """As utils.generate: with no stop token every completion runs to its full length, though the model's EOS token
+    (which vLLM would otherwise stop at, from the model's config) is sampled; with a stop token, at it."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(eos_neox_dir).eos_token_id
+    out = run_engine(
+        f"""
+        utils.vllm_sync(engine, policy)
+        never = utils.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id=None,
+                                    seeds=[1, 2, 3], pad_token_id=0)[0]
+        at_eos = utils.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
+                                     seeds=[1, 2, 3], pad_token_id=0)[0]
+        lengths = utils.truncate_response(at_eos, {eos}, 0)[1]
+        print("RESULT", "x".join(map(str, never.shape)), int((never == {eos}).sum()), sorted(set(lengths.tolist())))
+        """,
+        eos_neox_dir,
+        eos,
+        tmp_path,
+    )
+    shape, eos_sampled, lengths = out.split("RESULT")[1].strip().split(" ", 2)
+    assert shape == "9x12" and int(eos_sampled) > 3  # full length, EOS tokens and all
+    assert len(eval(lengths)) > 1 and min(eval(lengths)) < 12  # stopped at EOS, at different lengths
