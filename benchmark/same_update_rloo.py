@@ -62,7 +62,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from infra import Shuffled, load_pretrained, load_prompts, load_tokenizer  # noqa: E402
+from infra import Shuffled, load_pretrained, load_prompts, load_tokenizer, sentiment_reward  # noqa: E402
 from rloo import rloo_advantages  # noqa: E402  (rloo.py's own function; its main is guarded)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
@@ -71,7 +71,6 @@ from utils import (  # noqa: E402
     kl_estimate,
     left_pad,
     logprobs_from_logits,
-    sentiment_reward,
     truncate_response,
 )
 

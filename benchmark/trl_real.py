@@ -34,8 +34,7 @@ args = parser.parse_args()
 import datasets  # noqa: E402  (after argparse, so --help is instant)
 from peer_log import Log  # noqa: E402
 
-from infra import load_tokenizer  # noqa: E402
-from utils import BUILTIN_REWARDS  # noqa: E402
+from infra import BUILTIN_REWARDS, load_tokenizer  # noqa: E402
 
 if args.algo == "rloo":
     from trl import RLOOConfig as Config

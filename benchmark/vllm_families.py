@@ -44,7 +44,7 @@ def one(name):
     except SystemExit as e:
         return {"family": name, "runs": False, "refusal": str(e)}
     queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
-    responses, engine_logprobs = utils.vllm_generate(engine, queries, mask, k=3, max_tokens=8, temperature=0.7,
+    responses, engine_logprobs = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=8, temperature=0.7,
                                                      stop_token_id=None, seeds=[1, 2, 3], pad_token_id=0)  # fmt: skip
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
     with torch.no_grad():
@@ -60,7 +60,7 @@ def main():
 
     rows = []
     for name, (_, packs) in FAMILIES.items():
-        if packs is None:  # recurrent: utils.check_model refuses it before any engine
+        if packs is None:  # recurrent: infra.check_model refuses it before any engine
             continue
         start = time.time()
         proc = subprocess.run([sys.executable, __file__, "--family", name], capture_output=True, text=True, timeout=600)

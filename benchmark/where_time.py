@@ -5,8 +5,8 @@ timers around the same kinds of work, and writes the seconds per update by phase
     python benchmark/where_time.py OUT.json benchmark/trl_real.py rloo DIR ...  # the peer, with its flags
 
 Phases (the outermost timed call counts; nothing is counted twice):
-- generation: our utils.generate (or with --use_vllm the engine's, utils.vllm_generate), transformers' generate() for
-  TRL; weight sync: utils.vllm_sync, the policy's weights into the engine (--use_vllm);
+- generation: our utils.generate (or with --use_vllm the engine's, infra.vllm_generate), transformers' generate() for
+  TRL; weight sync: infra.vllm_sync, the policy's weights into the engine (--use_vllm);
 - logprob passes: forward passes and logprob arithmetic without gradient outside generation (the rollout's policy
   and reference passes; ppo.py's critic): our utils.forward_grouped, logprobs_from_logits and scalar_forward, TRL's
   _get_per_token_logps_and_entropies;
@@ -68,14 +68,16 @@ if "trl" in os.path.basename(script):
     GenerationMixin.generate = timed(GenerationMixin.generate, "generation")
     for cls in (RLOOTrainer, GRPOTrainer):
         cls._get_per_token_logps_and_entropies = timed(cls._get_per_token_logps_and_entropies, passes)
-else:  # the scripts call these as utils.NAME, so patching the module is enough
+else:  # the scripts call these as utils.NAME, infra.py by the names it imported: both modules are patched
+    import infra
     import utils
 
-    utils.generate = timed(utils.generate, "generation")
-    utils.vllm_generate = timed(utils.vllm_generate, "generation")  # --use_vllm: the engine's
-    utils.vllm_sync = timed(utils.vllm_sync, "weight sync")
-    for name in ("forward_grouped", "logprobs_from_logits", "scalar_forward"):
-        setattr(utils, name, timed(getattr(utils, name), passes))
+    phases = {"generate": "generation", "vllm_generate": "generation", "vllm_sync": "weight sync"}  # vllm: --use_vllm
+    phases.update(dict.fromkeys(("forward_grouped", "logprobs_from_logits", "scalar_forward"), passes))
+    for module in (utils, infra):
+        for name, phase in phases.items():
+            if hasattr(module, name):
+                setattr(module, name, timed(getattr(module, name), phase))
 
 
 @atexit.register

@@ -1,19 +1,18 @@
-"""The blocks the scripts share verbatim, kept identical (transformers' check_copies, for single-file scripts).
+"""Functions the scripts share verbatim, kept identical the way transformers keeps its copies (utils/check_copies.py).
 
-A shared block is marked in every script that holds it:
+A TL;DR script holds its base script's functions (its algorithm, and its main) as copies, each marked on the line
+above it with the function it copies:
 
-    # copy: draw prompts
-    ...
-    # end copy
+    # Copied from rloo.rloo_advantages
+    def rloo_advantages(rlhf_reward, k, scored):
 
-Blocks of one name must read the same (up to their indentation) in every script; the first script in SCRIPTS that
-holds a name is its source. A copy may rename, as transformers' "Copied from ... with Bert->Roberta":
-`# copy: policy and reference (model_name_or_path->sft_model_path)` is the source's block with every word
-`model_name_or_path` read as `sft_model_path`.
-`python tests/test_copies.py --fix` rewrites every copy from its source, as transformers' `make fix-copies`;
-the test fails on any drift.
+A copy may rename, as transformers' "Copied from ... with Bert->Roberta": `# Copied from ppo.main with eos->after_eos`
+is the source with every word `eos` read as `after_eos`. Whole functions (or classes) only, no end markers, no
+nesting, at most five copies per script. `python tests/test_copies.py --fix` rewrites every copy from its source, as
+transformers' `make fix-copies`; the test fails on any drift. Plumbing is never copied: it is a call into infra.py.
 """
 
+import ast
 import difflib
 import itertools
 import os
@@ -23,74 +22,84 @@ import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["rloo.py", "grpo.py", "ppo.py", "rloo_tldr.py", "ppo_tldr.py"]
-START, END = re.compile(r"^(\s*)# copy: ([^(]+?)\s*(?:\((.*)\))?\s*$"), re.compile(r"^\s*# end copy\s*$")
+MARK = re.compile(r"^# Copied from (\w+)\.([\w.]+)(?: with (.*))?$")
 
 
-def blocks(text, name=""):
-    """{block name: (first line, last line, indent, renames)} of one script's marked blocks (the lines between the
-    markers; a block may hold others); renames: [(old, new), ...]."""
-    found, open_blocks = {}, []
-    for i, line in enumerate(text.splitlines()):
-        if START.match(line):
-            indent, block, renames = START.match(line).groups()
-            assert block not in found and block not in [b[0] for b in open_blocks], f"{name}:{i + 1}: a second {block!r}"
+def definitions(text):
+    """{name: (first line, last line)} of a module's top-level functions and classes (0-based, the decorators
+    included), and of their methods as "Class.method"."""
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+            out[node.name] = (first, node.end_lineno)
+            for child in node.body if isinstance(node, ast.ClassDef) else []:
+                if isinstance(child, ast.FunctionDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)]) - 1
+                    out[f"{node.name}.{child.name}"] = (first, child.end_lineno)
+    return out
+
+
+def copies(folder, script):
+    """The marked copies of a script: (source module, source name, renames [(old, new)], the copy's first and last
+    line) each, the copy being the definition right below its mark."""
+    text = open(os.path.join(folder, script)).read()
+    lines, defs = text.splitlines(), definitions(text)
+    starts = {first: (name, last) for name, (first, last) in defs.items()}
+    out = []
+    for i, line in enumerate(lines):
+        match = MARK.match(line)
+        if match:
+            module, name, renames = match.groups()
+            assert i + 1 in starts, f"{script}:{i + 1}: '# Copied from' is not right above a function or class"
             renames = [tuple(r.strip().split("->")) for r in renames.split(",")] if renames else []
-            open_blocks.append((block, i + 1, indent, renames))
-        elif END.match(line):
-            assert open_blocks, f"{name}:{i + 1}: '# end copy' without '# copy:'"
-            block, first, indent, renames = open_blocks.pop()
-            found[block] = (first, i, indent, renames)
-    assert not open_blocks, f"{name}: copy block {open_blocks[-1][0]!r} is never closed"
-    return found
+            out.append((module, name, renames, i + 1, starts[i + 1][1]))
+    return out
 
 
-def body(lines, first, last):
-    return textwrap.dedent("\n".join(lines[first:last]))
+def source_text(folder, module, name):
+    path = os.path.join(folder, f"{module}.py")
+    text = open(path).read()
+    first, last = definitions(text)[name]
+    return textwrap.dedent("\n".join(text.splitlines()[first:last]))
 
 
 def drifted(folder, fix=False):
-    """The copies in folder's scripts that differ from their source, as 'script: block (source)' lines; with fix,
-    rewritten from the source first (one at a time, outer blocks first, until none differs)."""
+    """The copies in folder's scripts that differ from their source, as 'script: NAME differs from module.NAME' lines;
+    with fix, rewritten from the source first."""
     out = []
-    for _ in range(100):
-        texts = {s: open(os.path.join(folder, s)).read() for s in SCRIPTS if os.path.exists(os.path.join(folder, s))}
-        sources, found = {}, []
-        for script, text in texts.items():
-            lines = text.splitlines()
-            for block, (first, last, _, renames) in sorted(blocks(text, script).items(), key=lambda b: b[1][0]):
-                if block not in sources:
-                    assert not renames, f"{script}: the source of block {block!r} renames nothing"
-                    sources[block] = (script, body(lines, first, last))
-                    continue
-                source, expected = sources[block]
-                for old, new in renames:
-                    expected = re.sub(rf"\b{re.escape(old)}\b", new, expected)
-                if body(lines, first, last) != expected:
-                    found.append((script, block, source, first, last, expected))
-        if not fix or not found:
-            return out + [f"{script}: block {block!r} differs from {source}'s" for script, block, source, *_ in found]
-        script, block, source, first, last, expected = found[0]
-        out.append(f"{script}: block {block!r} differs from {source}'s")
-        lines = texts[script].splitlines()
-        # at the depth of the block's own lines (the marker may sit deeper than some of them)
-        depth = min(len(x) - len(x.lstrip()) for x in lines[first:last] if x.strip())
-        lines[first:last] = textwrap.indent(expected, " " * depth).split("\n")  # a trailing blank line kept
-        with open(os.path.join(folder, script), "w") as f:
-            f.write("\n".join(lines) + "\n")
-    raise AssertionError("--fix does not converge")
+    for script in SCRIPTS:
+        if not os.path.exists(os.path.join(folder, script)):
+            continue
+        # bottom up, so that a rewritten copy does not move the ones above it
+        for module, name, renames, first, last in reversed(copies(folder, script)):
+            assert f"{module}.py" != script, f"{script}: {name} is marked as a copy of itself"
+            expected = source_text(folder, module, name)
+            for old, new in renames:
+                expected = re.sub(rf"\b{re.escape(old)}\b", new, expected)
+            lines = open(os.path.join(folder, script)).read().splitlines()
+            indent = len(lines[first]) - len(lines[first].lstrip())
+            if textwrap.dedent("\n".join(lines[first:last])) == expected:
+                continue
+            out.append(f"{script}: {name} differs from {module}.{name}")
+            if fix:
+                lines[first:last] = textwrap.indent(expected, " " * indent).split("\n")
+                with open(os.path.join(folder, script), "w") as f:
+                    f.write("\n".join(lines) + "\n")
+    return out
 
 
 def unmarked_runs(folder, length=20):
     """Runs of `length` or more identical lines (blank ones skipped) that two scripts share outside their marked
-    blocks and their imports, as 'a:line ~ b:line (n lines)'."""
+    copies and above their first definition (the docstring and imports), as 'a:line ~ b:line (n lines)'."""
     kept = {}
     for script in SCRIPTS:
         text = open(os.path.join(folder, script)).read()
         inside = set()
-        for first, last, _, _ in blocks(text, script).values():
-            inside |= set(range(first - 1, last + 1))
+        for *_, first, last in copies(folder, script):
+            inside |= set(range(first - 1, last))
         lines = text.splitlines()
-        start = next(i for i, x in enumerate(lines) if x.startswith(("@", "def ", "class ", "PROMPTS", "ALGORITHM")))
+        start = next(i for i, x in enumerate(lines) if x.startswith(("@", "def ", "class ")))
         kept[script] = [(i + 1, x.strip()) for i, x in enumerate(lines) if i >= start and i not in inside and x.strip()]
     out = []
     for a, b in itertools.combinations(SCRIPTS, 2):
@@ -101,7 +110,7 @@ def unmarked_runs(folder, length=20):
     return out
 
 
-def test_marked_copies_match_their_source():
+def test_copies_match_their_source():
     assert drifted(REPO) == []
 
 
@@ -110,27 +119,35 @@ def test_no_unmarked_copy_of_20_lines():
     assert unmarked_runs(REPO) == []
 
 
-def test_every_script_shares_the_common_blocks():
-    """Each script marks the blocks that every script runs (so that none can drift unseen); the plumbing they share is
-    called from infra.py instead."""
-    common = {"draw prompts", "rows, sampling and scoring", "rollout masks", "a chunk of the rollout"}
-    common |= {"gather the rollout", "log the update", "write the metrics"}
-    for script in SCRIPTS:
-        assert common <= set(blocks(open(os.path.join(REPO, script)).read(), script)), script
+def test_each_tldr_script_copies_its_base_and_at_most_five_functions():
+    """A TL;DR script copies its base's flags (a class) and main, with at most five functions in all; the base
+    scripts copy nothing."""
+    named = {script: [name for _, name, *_ in copies(REPO, script)] for script in SCRIPTS}
+    assert named["rloo.py"] == named["grpo.py"] == named["ppo.py"] == []
+    assert named["rloo_tldr.py"] == ["RLOOArgs", "rloo_advantages", "main"]
+    assert named["ppo_tldr.py"][0] == "PPOArgs" and "main" in named["ppo_tldr.py"] and len(named["ppo_tldr.py"]) - 1 <= 5
 
 
 def test_an_edited_copy_is_found_and_fixed(tmp_path):
     for script in SCRIPTS:
         with open(os.path.join(REPO, script)) as f:
             (tmp_path / script).write_text(f.read())
-    text = (tmp_path / "grpo.py").read_text()
-    first, last, _, _ = blocks(text)["write the metrics"]
+    text = (tmp_path / "rloo_tldr.py").read_text()
+    first, last = definitions(text)["main"]
     lines = text.splitlines()
-    lines[first + 2] += "  # an edit in one copy"
-    (tmp_path / "grpo.py").write_text("\n".join(lines) + "\n")
-    assert drifted(tmp_path) == ["grpo.py: block 'write the metrics' differs from rloo.py's"]
+    lines[first + 3] += "  # an edit in the copy"
+    (tmp_path / "rloo_tldr.py").write_text("\n".join(lines) + "\n")
+    assert drifted(tmp_path) == ["rloo_tldr.py: main differs from rloo.main"]
     drifted(tmp_path, fix=True)
-    assert drifted(tmp_path) == [] and (tmp_path / "grpo.py").read_text() == open(os.path.join(REPO, "grpo.py")).read()
+    assert (
+        drifted(tmp_path) == [] and (tmp_path / "rloo_tldr.py").read_text() == open(os.path.join(REPO, "rloo_tldr.py")).read()
+    )
+    # a rename: the copy reads every word `old` of the source as `new`
+    text = (tmp_path / "rloo_tldr.py").read_text().replace("# Copied from rloo.main", "# Copied from rloo.main with k->group")
+    (tmp_path / "rloo_tldr.py").write_text(text)
+    drifted(tmp_path, fix=True)
+    fixed = (tmp_path / "rloo_tldr.py").read_text()
+    assert "group = args.rloo_k  # completions per prompt" in fixed and drifted(tmp_path) == []
 
 
 if __name__ == "__main__":

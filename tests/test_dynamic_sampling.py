@@ -36,7 +36,7 @@ def test_selection_matches_a_brute_force_filter():
     rng = random.Random(0)
     for _ in range(500):
         keep, n = [rng.random() < 0.4 for _ in range(rng.randint(1, 12))], rng.randint(1, 6)
-        chosen, filled = utils.select_groups(keep, n)
+        chosen, filled = infra.select_groups(keep, n)
         expected = []  # walk the groups in order, taking the kept ones; then the dropped ones, in order
         for i, x in enumerate(keep):
             if x and len(expected) < n:

@@ -13,6 +13,7 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import infra  # noqa: E402
 import utils  # noqa: E402
 
 tf.logging.set_verbosity_error()
@@ -269,10 +270,10 @@ def test_reward_model_and_value_head_read_every_row_as_alone(name, attn):
         torch.manual_seed(0)
         critic = tf.AutoModelForSequenceClassification.from_config(config).eval()
         heads.append(lambda s, m: utils.scalar_forward(critic, s, m))
-        utils.check_model(policy, critic=True)
+        infra.check_model(policy, critic=True)
     except ValueError:  # none in transformers (Granite, Cohere, Llama 4)
         with pytest.raises(SystemExit, match=f"^error: {config.model_type} has no sequence-classification model"):
-            utils.check_model(policy, critic=True)
+            infra.check_model(policy, critic=True)
     queries, qmask, responses, rmask, pads = batch()
     seqs, mask = torch.cat([queries, responses], 1), torch.cat([qmask, rmask], 1)
     with torch.no_grad():
@@ -290,10 +291,10 @@ def test_check_model_refuses_recurrent_models_in_one_line(name, attn):
     stop the run with one line that names the family; every other family passes."""
     model = build(name, attn)
     if FAMILIES[name][1] is not None:
-        utils.check_model(model)
+        infra.check_model(model)
         return
     with pytest.raises(SystemExit) as refused:
-        utils.check_model(model)
+        infra.check_model(model)
     message = str(refused.value)
     assert message.startswith("error: ") and model.config.model_type in message and "\n" not in message
 

@@ -172,17 +172,17 @@ def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, run, tmp_pat
 PROBE = """
 import gc, json, os, runpy, sys
 from transformers import GPTNeoXForCausalLM
-ran = set()
+ran, alive = set(), [0]
 forward = GPTNeoXForCausalLM.forward
-def probe(self, *args, **kwargs):
+def probe(self, *args, **kwargs):  # which models run, and how many exist while they do
     ran.add(id(self))
+    alive[0] = max(alive[0], sum(isinstance(o, GPTNeoXForCausalLM) for o in gc.get_objects()))
     return forward(self, *args, **kwargs)
 GPTNeoXForCausalLM.forward = probe
 sys.argv = sys.argv[1:]  # grpo.py and its flags
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 env = runpy.run_path(sys.argv[0], run_name="__main__")
-alive = [o for o in gc.get_objects() if isinstance(o, GPTNeoXForCausalLM)]
-print("PROBE " + json.dumps({"ran": len(ran), "alive": len(alive)}))
+print("PROBE " + json.dumps({"ran": len(ran), "alive": alive[0]}))
 """
 
 

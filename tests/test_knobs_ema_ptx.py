@@ -18,8 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["rloo.py", "ppo.py", "grpo.py", "rloo_tldr.py", "ppo_tldr.py"]
 sys.path.insert(0, REPO)
 
-from infra import Shuffled, load_ptx, ptx_batch  # noqa: E402
-from utils import lm_loss  # noqa: E402
+from infra import (  # noqa: E402
+    Shuffled,
+    lm_loss,  # noqa: E402
+    load_ptx,
+    ptx_batch,
+)
 
 TEXTS = [
     "The river runs past the old mill and into the sea.",

@@ -8,7 +8,7 @@ from test_rloo import KEYS as RLOO_KEYS
 from test_rloo import check_ok, read_metrics, reward_keys
 
 PPO_KEYS = RLOO_KEYS + ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "objective/kl_coef"]
-EVAL_KEYS = ["episode", "eval/scores", "eval/response_length", "eval/stopped_fraction"]
+EVAL_KEYS = ["episode", "eval/scores", "eval/unscored", "eval/response_length", "eval/stopped_fraction"]
 
 
 def datasets_rows(tldr_dir, split):

@@ -271,7 +271,7 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
 
 
 def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
-    """utils.sample_completions generates chunk rows at a time and utils.score_completions truncates and scores them
+    """infra.sample_completions generates chunk rows at a time and infra.score_completions truncates and scores them
     chunk by chunk: any chunking gives what one generate() call over all rows and a loop scoring each completion alone
     give, the batch only as wide as its longest completion."""
     model, tok = tiny_lm
@@ -289,12 +289,12 @@ def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
     assert len(set(lens)) > 1, lens
     sources = [{"name": "chars", "fn": lambda prompts, completions, **_: [float(len(c)) for c in completions], "weight": 1.0}]
     for chunk in (1, 2, 3, 8):
-        sampled, engine_logprobs = utils.sample_completions(
+        sampled, engine_logprobs = infra.sample_completions(
             model, None, queries, mask, k=2, max_length=10, temperature=1.0, stop_token_id=stop,
             pad_token_id=tok.pad_token_id, uniforms=uniforms, seeds=None, chunk=chunk, group=2 if chunk % 2 == 0 else 1,
         )  # fmt: skip
         assert engine_logprobs is None
-        responses, lengths, per_source = utils.score_completions(
+        responses, lengths, per_source = infra.score_completions(
             sources, tok, queries, mask, sampled, prompts=texts, columns={}, stop_token_id=stop, chunk=chunk
         )
         assert lengths.tolist() == lens and responses.shape[1] == max(lens)
@@ -468,24 +468,24 @@ def test_reward_fn_loading_and_checks(tmp_path):
     )
     fn = infra.load_reward_fn(f"{tmp_path}/rew.py:length", columns=[])
     assert fn(["p", "q"], ["ab", "c"]) == [2, 1]
-    assert infra.load_reward_fn("sentiment", columns=[]) is utils.sentiment_reward
-    good, bad = utils.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
+    assert infra.load_reward_fn("sentiment", columns=[]) is infra.sentiment_reward
+    good, bad = infra.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
     assert good > 0.5 and bad < -0.5
-    assert utils.check_rewards([1, 2.5, None], 3, "f") == [1.0, 2.5, None]
-    assert utils.check_rewards(torch.tensor([1.0, 2.0]), 2, "f") == [1.0, 2.0]
+    assert infra.check_rewards([1, 2.5, None], 3, "f") == [1.0, 2.5, None]
+    assert infra.check_rewards(torch.tensor([1.0, 2.0]), 2, "f") == [1.0, 2.0]
     for spec in [f"{tmp_path}/nope.py:f", f"{tmp_path}/rew.py:missing", "no_such_module_xyz:f", "sentiments"]:
         with pytest.raises(SystemExit):
             infra.load_reward_fn(spec, columns=[])
     for scores in [[1.0], [1.0, float("nan")], [1.0, float("inf")], ["a", 1.0], None, "12", [1.0, [2.0]]]:
         with pytest.raises(SystemExit):
-            utils.check_rewards(scores, 2, "f")
+            infra.check_rewards(scores, 2, "f")
     # columns: a function names the ones it needs (checked against the dataset at load), or takes **columns
     with pytest.raises(SystemExit, match="needs the dataset column"):
         infra.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question"])
     fn = infra.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["answer", "question"])
     columns = {"answer": [3, 4], "question": ["a", "b"]}
-    assert utils.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
-    assert utils.call_reward_fn(infra.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
+    assert infra.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
+    assert infra.call_reward_fn(infra.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
 
 
 @pytest.mark.parametrize(
@@ -503,7 +503,7 @@ def test_reward_fn_loading_and_checks(tmp_path):
     ],
 )
 def test_accuracy_reward_reads_the_last_number(completion, answer, expected):
-    assert utils.accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
+    assert infra.accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
 
 
 def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
@@ -545,7 +545,7 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
     tok = infra.load_tokenizer(tiny_tokenizer_dir)
     rm_tok = infra.load_tokenizer(tiny_tokenizer_dir)
     rm_tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
-    assert not utils.same_vocabulary(tok, rm_tok)
+    assert not infra.same_vocabulary(tok, rm_tok)
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     stop_token_id = tok.eos_token_id if stop == "eos" else tok.convert_tokens_to_ids(".")
     rows = [
@@ -568,14 +568,14 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
         stop_token_id=stop_token_id,
     )
     with torch.no_grad():
-        direct = utils.rm_scores(rm, rm_tokenizer=None, **kwargs)
-        reencoded = utils.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
+        direct = infra.rm_scores(rm, rm_tokenizer=None, **kwargs)
+        reencoded = infra.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
     torch.testing.assert_close(reencoded, direct, atol=1e-5, rtol=1e-5)
 
     if stop == "eos":  # a reward model's tokenizer without an EOS token has nothing to end a stopped completion with
         rm_tok.eos_token = None
         with pytest.raises(SystemExit, match="no EOS token"):
-            utils.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
+            infra.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
 
 
 def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
@@ -621,10 +621,10 @@ def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path
 
     plain, padded = make(False), make(True)
     plain.pad_token = plain.eos_token  # what load_tokenizer does for a tokenizer without one
-    assert padded.pad_token_id == len(plain) and utils.same_vocabulary(padded, plain)
+    assert padded.pad_token_id == len(plain) and infra.same_vocabulary(padded, plain)
     other = infra.load_tokenizer(tiny_tokenizer_dir)
-    assert not utils.same_vocabulary(padded, other)  # another vocabulary (and another EOS id)
+    assert not infra.same_vocabulary(padded, other)  # another vocabulary (and another EOS id)
     shifted = make(False)
     shifted.add_special_tokens({"additional_special_tokens": ["<sep>"]})
     shifted.pad_token = shifted.eos_token
-    assert not utils.same_vocabulary(shifted, plain)  # an extra token that is not padding
+    assert not infra.same_vocabulary(shifted, plain)  # an extra token that is not padding

@@ -82,7 +82,7 @@ queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_to
 
 def worst(model, seeds):
     # the engine's logprobs of its samples against the trainer's: logits / temperature of the same model
-    responses, engine_logprobs = utils.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=0.7,
+    responses, engine_logprobs = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=0.7,
                                                      stop_token_id={eos}, seeds=seeds, pad_token_id=0)
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
     responses, lengths = utils.truncate_response(responses, {eos}, 0)
@@ -112,14 +112,14 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
     eos = AutoTokenizer.from_pretrained(tiny_llama_dir).eos_token_id
     out = run_engine(
         """
-        utils.vllm_sync(engine, policy)  # the engine starts with random weights
+        infra.vllm_sync(engine, policy)  # the engine starts with random weights
         before, first = worst(policy, seeds=[1, 2, 3])
         again = worst(policy, seeds=[1, 2, 3])[1]
         with torch.no_grad():  # an optimiser step, as far as the engine can tell
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         stale = worst(policy, seeds=[1, 2, 3])[0]  # not synced: the engine still samples from the old weights
-        utils.vllm_sync(engine, policy)
+        infra.vllm_sync(engine, policy)
         after = worst(policy, seeds=[1, 2, 3])[0]
 
         # LoRA: the engine gets each adapted weight plus its adapters' product, and the model's weights stay as they were
@@ -131,7 +131,7 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
                 if "lora_B" in name:
                     p.normal_(0, 0.5)
         lora_stale = worst(lora, seeds=[1, 2, 3])[0]
-        utils.vllm_sync(engine, lora)
+        infra.vllm_sync(engine, lora)
         lora_after = worst(lora, seeds=[1, 2, 3])[0]
         now = {n.replace(".base_layer", ""): p for n, p in lora.get_base_model().named_parameters() if "lora_" not in n}
         untouched = now.keys() == frozen.keys() and all(torch.equal(now[n], p) for n, p in frozen.items())
@@ -399,10 +399,10 @@ def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
     eos = AutoTokenizer.from_pretrained(eos_neox_dir).eos_token_id
     out = run_engine(
         f"""
-        utils.vllm_sync(engine, policy)
-        never = utils.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id=None,
+        infra.vllm_sync(engine, policy)
+        never = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id=None,
                                     seeds=[1, 2, 3], pad_token_id=0)[0]
-        at_eos = utils.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
+        at_eos = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
                                      seeds=[1, 2, 3], pad_token_id=0)[0]
         lengths = utils.truncate_response(at_eos, {eos}, 0)[1]
         print("RESULT", "x".join(map(str, never.shape)), int((never == {eos}).sum()), sorted(set(lengths.tolist())))
