@@ -83,9 +83,9 @@ class GRPOArgs:
 
 
 @dataclass
-class Args(GRPOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EvalArgs, infra.RunArgs):
+class Args(GRPOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EnvArgs, infra.EvalArgs, infra.RunArgs):
     """GRPO's flags, then those of the groups every script shares (infra.py): the rollout's, the data's and
-    rewards', the evaluation's and the run's."""
+    rewards', the environment's (multi-turn episodes), the evaluation's and the run's."""
 
 
 def batch_std(values, reduce=None):
@@ -200,7 +200,7 @@ def main(args):
         # 1. k completions per prompt, truncated after the stop token and scored: the sources' weighted score less the
         # missing-EOS penalty, scaled and clipped (batch.scores)
         batch = sampler.sample()
-        padding_mask = batch.padding_mask  # (rows, width): True past each completion's end
+        padding_mask = batch.padding_mask  # (rows, width): True where the policy did not sample (padding, observations)
 
         # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap
         with torch.no_grad(), accelerator.autocast():

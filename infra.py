@@ -46,14 +46,13 @@ from utils import (
     PolicyAndValue,
     die,
     distinct_groups,
+    episodes,
     forward,
     generate,
     init_value_head,
-    left_pad,
     logprobs_from_logits,
     pad_cat,
     scalar_forward,
-    truncate_response,
 )
 
 PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prompts.jsonl")
@@ -179,6 +178,8 @@ class DataArgs(ScoreArgs):
     """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
     max_prompt_length: int = 128
     """prompts longer than this many tokens are dropped"""
+    chat_template: Optional[str] = None
+    """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
 
     @property
     def reward_model_paths(self):
@@ -278,6 +279,30 @@ class GroupArgs(Checked):
         if self.dynamic_sampling and self.use_score_scaling and self.score_clip is not None:
             # which groups the clip makes flat would depend on the running scale, which takes in the batch being chosen
             die("--dynamic_sampling filters on clipped scores: use --score_clip or --use_score_scaling with it, not both")
+        super().__post_init__()
+
+
+@dataclass
+class EnvArgs(Checked):
+    """Multi-turn episodes in an environment (docs/environments.md)."""
+
+    environment: Optional[str] = None
+    """'path/to/file.py:Class' or 'package.module:Class', one instance per episode: reset(**row) starts it from the
+    prompt's dataset row (every column, the prompt's included) and returns None or a text added to the prompt; then
+    either step(completion) -> (observation, reward, done), the observation the next user turn (a text environment),
+    or the class's public methods are tools the model calls through the chat template, get_reward() optional (TRL's
+    environment_factory). None: one completion per prompt"""
+    max_turns: int = 4
+    """the most policy turns of an episode (each up to --response_length tokens)"""
+    max_episode_tokens: Optional[int] = None
+    """the most tokens of an episode after its prompt, the policy's and the observations'; None: max_turns x
+    response_length"""
+
+    def __post_init__(self):
+        if self.max_turns < 1 or (self.max_episode_tokens or 1) < 1:
+            die("--max_turns and --max_episode_tokens must be positive")
+        if self.max_episode_tokens is None:
+            self.max_episode_tokens = self.max_turns * self.response_length
         super().__post_init__()
 
 
@@ -550,7 +575,9 @@ def read_dataset(dataset_name, split):
     return ds
 
 
-def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None, long_prompts="drop"):
+def load_prompts(
+    dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None, long_prompts="drop", raw=None
+):
     """(token-id lists, prompt texts, reference completions (reference_field, stripped; None without it), the rows'
     other columns {name: list}). Chat messages go through the tokenizer's chat template with the generation prompt,
     strings are tokenized as they are. Prompts over max_prompt_length tokens are dropped, or with
@@ -577,6 +604,8 @@ def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length
             ids = ids[-max_prompt_length:]
         if 0 < len(ids) <= max_prompt_length:
             queries.append(list(ids))
+            if raw is not None:  # the prompts as the dataset holds them (--environment renders them per episode)
+                raw.append(value)
             texts.append(text)
             refs.append(ref.strip() if ref is not None else None)
             kept.append(row)
@@ -593,7 +622,8 @@ def draw_prompts(data, args, k, process_index):
     so a completion depends on the seed and its place in that batch, not on the process that samples it; the same on
     every process and again in a resumed run."""
     idx = data.take(args.local_prompts * args.world_size)
-    uniforms = torch.rand((len(idx), k, args.response_length), generator=data.rng)
+    width = args.response_length * (args.max_turns if getattr(args, "environment", None) else 1)  # every turn's
+    uniforms = torch.rand((len(idx), k, width), generator=data.rng)
     # TRL's LengthSampler: drawn after the uniforms (whose first columns it uses)
     max_length = args.response_length
     if args.response_length_min is not None:
@@ -601,7 +631,7 @@ def draw_prompts(data, args, k, process_index):
     # --use_vllm: the engine's seeds, one per prompt, drawn last (a run without it draws nothing more)
     seeds = torch.randint(2**31 - 1, (len(idx),), generator=data.rng) if args.use_vllm else None
     mine = slice(process_index * args.local_prompts, (process_index + 1) * args.local_prompts)
-    uniforms = uniforms[mine].reshape(-1, args.response_length)  # (prompts * k, response_length), as the queries
+    uniforms = uniforms[mine].reshape(-1, width)  # (prompts * k, width), as the queries
     return idx[mine], uniforms, max_length, seeds[mine] if args.use_vllm else None
 
 
@@ -632,6 +662,28 @@ class Shuffled:
         self.order, self.cursor = state["order"], state["cursor"]
 
 
+def load_object(spec, flag):
+    """'path/to/file.py:name' or 'package.module:name' -> that callable (a function, a class)."""
+    if ":" not in spec:
+        die(f"{flag} {spec!r} must be 'file.py:name' or 'module:name'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            die(f"{flag} file {where!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            die(f"{flag} module {where!r} cannot be imported: {e}")
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        die(f"{flag} {spec!r}: {where!r} has no function or class {name!r}")
+    return obj
+
+
 def load_reward_fn(spec, columns):
     """`sentiment`, `accuracy`, `path/to/file.py:function` or `package.module:function` -> the function, after
     checking that the dataset has every column it names (columns: the dataset's other column names)."""
@@ -640,21 +692,7 @@ def load_reward_fn(spec, columns):
     elif ":" not in spec:
         die(f"--reward_fn {spec!r} must be {', '.join(map(repr, BUILTIN_REWARDS))}, 'file.py:function' or 'module:function'")
     else:
-        where, name = spec.rsplit(":", 1)
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                die(f"--reward_fn file {where!r} does not exist")
-            module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            try:
-                module = importlib.import_module(where)
-            except ImportError as e:
-                die(f"--reward_fn module {where!r} cannot be imported: {e}")
-        fn = getattr(module, name, None)
-        if not callable(fn):
-            die(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+        fn = load_object(spec, "--reward_fn")
     # fn(prompts, completions, **columns): the parameters after the first two that have no default must be columns
     params = list(inspect.signature(fn).parameters.values())[2:]
     missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -664,7 +702,7 @@ def load_reward_fn(spec, columns):
     return fn
 
 
-def load_reward_sources(args, tokenizer, columns):
+def load_reward_sources(args, tokenizer, columns, env=None):
     """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given:
     `sentiment`. Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or
     "fn" + "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions
@@ -672,7 +710,10 @@ def load_reward_sources(args, tokenizer, columns):
     reward_model_paths = args.reward_model_paths
     models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
     fns = []
-    for spec in list(args.reward_fn) or ([] if reward_model_paths else ["sentiment"]):
+    rewarded = reward_model_paths or (env is not None and env.rewarded)
+    if env is not None:  # in an episode the functions may also read the whole conversation
+        columns = {**columns, "messages": None}
+    for spec in list(args.reward_fn) or ([] if rewarded else ["sentiment"]):
         fn = load_reward_fn(spec, columns)
         fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
     sources = models + fns
@@ -692,6 +733,8 @@ def load_reward_sources(args, tokenizer, columns):
         rm_tokenizer = load_tokenizer(source["path"], args.trust_remote_code)
         source["model"] = model.eval().requires_grad_(False)
         source["tokenizer"] = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: our tokens
+    if env is not None and env.rewarded:  # the environment's reward, with weight 1 (as TRL), named after its class
+        sources.append({"name": env.name, "weight": 1.0, "env": True})
     return sources
 
 
@@ -701,7 +744,9 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     valid = ~per_source.isnan()
     values = per_source.nan_to_num(0.0)
     sums = torch.stack([values.sum(1), (values * values).sum(1), valid.sum(1).float()], 1)  # (sources, 3)
-    weighted = torch.stack([scores.masked_fill(~scored, 0.0).sum(), scored.float().sum(), torch.tensor(len(scored), device=scores.device)])
+    weighted = torch.stack(
+        [scores.masked_fill(~scored, 0.0).sum(), scored.float().sum(), torch.tensor(len(scored), device=scores.device)]
+    )
     sums = accelerator.reduce(torch.cat([sums, weighted.to(sums)[None]]), reduction="sum")  # (sources + 1, 3)
     (total, square, count), (scored_sum, num_scored, n) = sums[:-1].unbind(1), sums[-1].tolist()
     mean = total / count.clamp(min=1)
@@ -841,12 +886,18 @@ def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, cont
     return scores
 
 
-def get_scores(sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id):
+def get_scores(
+    sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id, completions=None,
+    env_rewards=None,
+):  # fmt: skip
     """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
-    the prompt texts, the decoded completions and the rows' other columns ({name: list})."""
-    completions = None
+    the prompt texts, the completions (None: the responses decoded) and the rows' other columns ({name: list}); the
+    environment's source, env_rewards."""
     rows = []
     for source in sources:
+        if "env" in source:
+            rows.append(env_rewards.float())
+            continue
         if "model" in source:
             scores = rm_scores(
                 source["model"],
@@ -975,21 +1026,205 @@ def lm_loss(logits, input_ids, attention_mask):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# padding
+
+
+def left_pad(seqs, pad_token_id):
+    """Token-id lists -> (ids, mask), both (batch, longest), padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Each response up to and including its first stop token, the rest padding. Returns (responses, lengths); lengths
+    count the stop token, so rows without one have the full length."""
+    width = responses.shape[1]
+    if stop_token_id is None:
+        return responses, torch.full((len(responses),), width, device=responses.device)
+    is_stop = responses == stop_token_id
+    lengths = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, width)
+    idx = torch.arange(width, device=responses.device)
+    return responses.masked_fill(idx[None, :] >= lengths[:, None], pad_token_id), lengths
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# multi-turn environments (--environment): the rollout is utils.episodes; here, the environments' side of it
+
+
+class Environments:
+    """--environment's class, one instance per episode. A text environment has step(completion) -> (observation, reward,
+    done); a tool environment (TRL's environment_factory) has public methods, offered to the model as tools through the
+    chat template, whose calls in a turn are run and answered with tool messages (a call that raises is answered with
+    its error), until a turn calls none; get_reward(), if it has one, scores the episode. Each observation's tokens are
+    what the chat template adds for that message after the turn (or, for prompts that are plain text, the observation
+    tokenized as it is): the history is never re-rendered."""
+
+    def __init__(self, spec, tokenizer):
+        cls = load_object(spec, "--environment")
+        if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+            die(f"--environment {spec!r} must be a class with a reset(**row) method")
+        self.cls, self.name, self.tokenizer = cls, cls.__name__, tokenizer
+        self.text = callable(getattr(cls, "step", None))
+        public = [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
+        self.tools = [] if self.text else [n for n in public if n not in ("reset", "get_reward")]
+        self.rewarded = self.text or "get_reward" in public
+        if not self.text and not self.tools:
+            die(f"--environment {spec!r} has neither step() (a text environment) nor public methods (tools)")
+        if self.tools:
+            from transformers.utils import get_json_schema
+
+            probe = cls()
+            for name in self.tools:
+                try:
+                    get_json_schema(getattr(probe, name))
+                except Exception as e:  # the chat template needs each tool's schema: its type hints and docstring
+                    die(f"--environment's tool {name!r} has no schema for the chat template: {e}")
+            sentinel = "tool_sentinel_3f9a"
+            calls = [{"type": "function", "function": {"name": sentinel, "arguments": {}}}]
+            chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+            if tokenizer.chat_template is None or sentinel not in tokenizer.apply_chat_template(chat, tokenize=False):
+                die(f"{self.name}'s tools need a chat template that renders tool calls; the tokenizer's does not")
+
+    def start(self, prompts, rows, seeds):
+        """A new instance per episode, reset from its dataset row (Python's random seeded with the episode's seed, so that
+        an environment drawing from it is the same on any number of processes and in a resumed run). prompts: each
+        episode's prompt as the dataset holds it (chat messages or text). Returns each episode's prompt tokens."""
+        self.live, self.rewards, self.calls, self.failures, self.messages = [], [], [], [], []
+        ids = []
+        for prompt, row, seed in zip(prompts, rows, seeds):
+            random.seed(seed)
+            env = self.cls()
+            extra = env.reset(**row)
+            prompt = copy.deepcopy(prompt)
+            if extra and isinstance(prompt, str):
+                prompt += extra
+            elif extra:  # as TRL: added to the last message
+                prompt[-1]["content"] += extra
+            if isinstance(prompt, str):
+                ids.append(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                prompt = [{"role": "user", "content": prompt}]
+            else:
+                tools = [getattr(env, n) for n in self.tools] or None
+                rendered = self.tokenizer.apply_chat_template(
+                    prompt, tools=tools, add_generation_prompt=True, return_dict=False
+                )
+                ids.append(list(rendered))
+            self.live.append(env)
+            self.rewards.append(0.0)
+            self.calls.append(0)
+            self.failures.append(0)
+            self.messages.append(prompt)
+        self.plain = prompts and isinstance(prompts[0], str)
+        return ids
+
+    def respond(self, rows, turns):
+        """utils.episodes' respond: each row's turn (token ids) to its environment; the observation's tokens, or None when
+        the episode is over"""
+        out = []
+        for i, turn in zip(rows, turns):
+            env, text = self.live[i], self.tokenizer.decode(turn, skip_special_tokens=True)
+            self.messages[i].append({"role": "assistant", "content": text})
+            if self.text:
+                observation, reward, done = env.step(text)
+                self.rewards[i] += float(reward or 0.0)
+                if done or observation is None:
+                    out.append(None)
+                    continue
+                messages = [{"role": "user", "content": str(observation)}]
+            else:
+                calls = parse_tool_calls(self.tokenizer, self.tokenizer.decode(turn, skip_special_tokens=False))
+                if not calls:  # the answer: the episode is over
+                    out.append(None)
+                    continue
+                messages = []
+                for name, arguments in calls:
+                    self.calls[i] += 1
+                    try:
+                        if name not in self.tools:
+                            raise ValueError(f"no tool {name!r}")
+                        result = getattr(env, name)(**arguments)
+                    except Exception as e:  # the model's mistake is an observation, not a crash
+                        self.failures[i] += 1
+                        result = {"error": str(e)}
+                    messages.append({"role": "tool", "name": str(name), "content": str(result)})
+            self.messages[i] += messages
+            out.append(self.observation_ids(messages))
+        return out
+
+    def observation_ids(self, messages):
+        """The tokens the chat template adds for messages after an assistant turn that ended with its stop token, with
+        the cue of the next assistant turn; for plain-text prompts, the observation's text tokenized"""
+        if self.plain:
+            return self.tokenizer("".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
+        calls = [{"type": "function", "function": {"name": m.get("name", "x"), "arguments": {}}} for m in messages]
+        assistant = {"role": "assistant", "content": "y", **({"tool_calls": calls} if self.tools else {})}
+        before = self.apply([{"role": "user", "content": "x"}, assistant], False)
+        after = self.apply([{"role": "user", "content": "x"}, assistant, *messages], True)
+        stop = self.tokenizer.eos_token_id
+        if stop in before:  # the turn ends at its stop token; what the template puts after it is the observation's
+            before = before[: len(before) - before[::-1].index(stop)]
+        if after[: len(before)] != before:
+            die(
+                "the chat template renders a conversation's earlier turns differently once a message follows them, so an"
+                " episode cannot be extended token by token; use a template that preserves prefixes (--chat_template)"
+            )
+        return after[len(before) :]
+
+    def apply(self, messages, cue):
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=cue, tokenize=True, return_dict=False))
+
+    def finish(self, cut):
+        """the episodes' environment rewards (summed step rewards, or get_reward()), tool calls and failed calls; the
+        conversation of an episode cut off ends with the policy's last turn (its last observation was not appended)"""
+        for messages, ended in zip(self.messages, cut):
+            while ended and messages[-1]["role"] != "assistant":
+                messages.pop()
+        if not self.text and self.rewarded:
+            self.rewards = [float(env.get_reward()) for env in self.live]
+        return self.rewards, self.calls, self.failures
+
+
+def parse_tool_calls(tokenizer, text):
+    """The tool calls of a turn as [(name, arguments)]: the tokenizer's own parser (transformers' parse_response) where
+    it has one, else Hermes's <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Qwen's format); a block
+    that is not such JSON is a call to no tool, answered with an error"""
+    if getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None):
+        calls = tokenizer.parse_response(text).get("tool_calls") or []
+        return [(c["function"]["name"], c["function"].get("arguments") or {}) for c in calls]
+    calls = []
+    for block in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
+        try:
+            call = json.loads(block)
+            calls.append((call["name"], dict(call.get("arguments") or {})))
+        except (ValueError, KeyError, TypeError):
+            calls.append((None, {}))
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # a batch: its completions, sampled and scored
 
 
 @dataclass
 class Batch:
     """An update's completions, k per prompt (row j * k + i is prompt j's i-th; a prompt's rows adjacent), truncated
-    after the stop token and scored. Tensors are (rows, ...): queries (left-padded), responses and padding_mask (True
-    on padding) (rows, width), query_responses and attention_mask (rows, context_length + width)."""
+    after the stop token and scored; with --environment, k episodes per prompt. Tensors are (rows, ...): queries
+    (left-padded), responses and padding_mask (rows, width), query_responses and attention_mask (rows, context_length +
+    width). padding_mask is True on every token the policy did not sample: padding, and an episode's observations, so
+    that whatever a script masks with it (the loss, the KL, the entropy, the importance weights, the statistics) counts
+    the policy's tokens only."""
 
     texts: list  # the rows' prompt texts
     queries: torch.Tensor
     context_length: int
     responses: torch.Tensor
-    lengths: torch.Tensor  # each completion's tokens, the stop token included
-    padding_mask: torch.Tensor
+    lengths: torch.Tensor  # each completion's tokens, the stop token included (an episode's, observations included)
+    padding_mask: torch.Tensor  # True where the policy did not sample the token
     query_responses: torch.Tensor
     attention_mask: torch.Tensor
     per_source: torch.Tensor  # (sources, rows): each reward source's reward, NaN where it returned None
@@ -1002,16 +1237,18 @@ class Batch:
     stats: dict  # --dynamic_sampling's metrics
     chunk: int  # the rows the rollout's forward passes take at a time
     group: int  # the rows that share a prompt in those chunks (utils.forward_grouped)
+    conversations: Optional[list] = None  # --environment: each episode's messages, the prompt's first
 
 
 class Sampler:
     """Samples and scores each update's batch: k completions of each of this process's share of the next prompts
     (the scripts' own sampler, or a vLLM engine with --use_vllm, given the policy's weights first), truncated after the
     stop token, scored by every reward source, the missing-EOS penalty subtracted, TRL's score scaling and clipping
-    applied; with --dynamic_sampling in rounds, until every process has enough groups whose scores differ."""
+    applied; with --environment, k multi-turn episodes per prompt instead (utils.episodes); with --dynamic_sampling in
+    rounds, until every process has enough groups whose scores differ."""
 
     def __init__(self, run, policy):
-        self.run, self.args, self.policy, self.k = run, run.args, policy, run.k
+        self.run, self.args, self.policy, self.k, self.env = run, run.args, policy, run.k, run.env
         args, accelerator = run.args, run.accelerator
         self.chunk = args.local_rollout_forward_batch_size
         # a prompt's k completions run the prompt once (generate, forward_grouped) where every chunk holds whole prompts
@@ -1031,23 +1268,22 @@ class Sampler:
     def sample(self):
         """This update's Batch, without gradients and in the training precision (autocast also covers the reward
         models, which accelerate did not wrap)."""
-        run, args, k = self.run, self.args, self.k
-        idx, uniforms, max_length, seeds = draw_prompts(run.data, args, k, run.accelerator.process_index)
+        run, args = self.run, self.args
+        idx, uniforms, max_length, seeds = draw_prompts(run.data, args, self.k, run.accelerator.process_index)
         if self.engine is not None:  # the engine samples with the policy's weights of now
             vllm_sync(self.engine, self.unwrapped())
         stats = {}
         with torch.no_grad(), run.accelerator.autocast():
             if getattr(args, "dynamic_sampling", False):
-                idx, responses, lengths, per_source, engine_logprobs, stats = self.sample_groups(
-                    idx, uniforms, seeds, max_length
-                )
-                queries, query_mask, texts, columns = self.prompt_rows(idx)
+                rows, stats = self.sample_groups(idx, uniforms, seeds, max_length)
             else:
-                queries, query_mask, texts, columns = self.prompt_rows(idx)
-                sampled, engine_logprobs = self.complete(queries, query_mask, uniforms, seeds, max_length)
-                responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
-            padding_mask = torch.arange(responses.shape[1], device=run.device)[None, :] >= lengths[:, None]
-            scores, scored, contain_eos = self.final_scores(per_source, responses)
+                rows = self.sample_rows(idx, uniforms, seeds, max_length)
+            lengths = rows["lengths"]
+            width = int(lengths.max())
+            responses, policy = rows["responses"][:, :width], rows["policy"][:, :width]
+            engine_logprobs = rows["engine"][:, :width] if rows["engine"] is not None else None
+            queries, query_mask = (x.to(run.device) for x in left_pad(rows["ids"], run.tokenizer.pad_token_id))
+            scores, scored, contain_eos = self.final_scores(rows["per_source"], responses, rows["info"])
             raw_scores = scores
             # TRL's score scaling and clipping, of the scored completions; the moments take this batch in first
             if args.use_score_scaling:
@@ -1055,16 +1291,19 @@ class Sampler:
             scores = scale_scores(
                 scores, scored, self.moments if args.use_score_scaling else None, args.use_score_norm, args.score_clip
             )
+            if self.env is not None:
+                stats.update(episode_stats(run, rows["info"], policy, lengths))
+        real = torch.arange(width, device=run.device)[None, :] < lengths[:, None]
         return Batch(
-            texts=texts,
+            texts=rows["texts"],
             queries=queries,
             context_length=queries.shape[1],
             responses=responses,
             lengths=lengths,
-            padding_mask=padding_mask,
+            padding_mask=~policy,
             query_responses=torch.cat([queries, responses], 1),
-            attention_mask=torch.cat([query_mask, (~padding_mask).long()], 1),
-            per_source=per_source,
+            attention_mask=torch.cat([query_mask, real.long()], 1),
+            per_source=rows["per_source"],
             scores=scores,
             raw_scores=raw_scores,
             scored=scored,
@@ -1074,40 +1313,110 @@ class Sampler:
             stats=stats,
             chunk=self.chunk,
             group=self.group,
+            conversations=rows["messages"],
         )
 
-    def prompt_rows(self, idx):
-        """The rows of the prompts idx: queries and their mask (prompts * k, query_len), left-padded, a prompt's k rows
-        adjacent, and the rows' prompt texts and dataset columns"""
+    def sample_rows(self, idx, uniforms, seeds, max_length):
+        """k completions (or episodes) of each of the prompts idx, scored: a dict of the rows' prompt token ids, texts,
+        dataset columns, responses (rows, width) (with --environment the whole episodes), lengths, every source's
+        scores (sources, rows), the engine's logprobs (or None), which tokens the policy sampled (rows, width), and with
+        --environment each episode's (turns, cut off, tool calls, failed calls) (rows, 4) and conversation."""
         run, k = self.run, self.k
-        queries, query_mask = left_pad([run.queries[i] for i in idx], run.tokenizer.pad_token_id)
+        ids = [run.queries[i] for i in idx for _ in range(k)]
         texts = [run.texts[i] for i in idx for _ in range(k)]
         columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in run.columns.items()}
-        return (
-            queries.repeat_interleave(k, 0).to(run.device),
-            query_mask.repeat_interleave(k, 0).to(run.device),
-            texts,
-            columns,
-        )
+        info = messages = None
+        if self.env is None:
+            queries, query_mask = (x.to(run.device) for x in left_pad(ids, run.tokenizer.pad_token_id))
+            sampled, engine = self.complete(queries, query_mask, uniforms, seeds, max_length)
+            responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
+            policy = torch.arange(responses.shape[1], device=run.device)[None, :] < lengths[:, None]
+        else:
+            ids, responses, policy, engine, info = self.play(
+                [run.prompts[i] for i in idx],
+                rows=[{self.args.prompt_field: run.prompts[i], **{c: v[i] for c, v in run.columns.items()}} for i in idx],
+                env_seeds=[int(u * 2**31) for u in uniforms[::k, -1].tolist()],  # from each group's own noise
+                uniforms=uniforms,
+                seeds=seeds,
+                max_length=max_length,
+            )
+            lengths = policy.shape[1] - policy.flip(1).long().argmax(1)  # through each episode's last policy token
+            messages = self.env.messages
+            per_source = self.score_episodes(ids, responses, lengths, texts, columns)
+        return dict(
+            ids=ids, texts=texts, columns=columns, responses=responses, lengths=lengths, per_source=per_source,
+            engine=engine[:, : responses.shape[1]] if engine is not None else None, policy=policy, info=info,
+            messages=messages,
+        )  # fmt: skip
 
-    def complete(self, queries, query_mask, uniforms, seeds, max_length):
+    def complete(self, queries, query_mask, uniforms, seeds, max_length, k=None, group=None, temperature=None, engine=True):
         """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm"""
         return sample_completions(
             self.unwrapped(),
-            self.engine,
+            self.engine if engine else None,
             queries,
             query_mask,
-            k=self.k,
+            k=k or self.k,
             max_length=max_length,
-            temperature=self.args.temperature,
+            temperature=self.args.temperature if temperature is None else temperature,
             stop_token_id=self.run.stop_token_id,
             pad_token_id=self.run.tokenizer.pad_token_id,
-            uniforms=uniforms,
+            uniforms=uniforms[:, :max_length] if uniforms is not None else None,
             seeds=seeds,
             chunk=self.chunk,
-            group=self.group,
+            group=group or self.group,
             synced=zero3(self.run.accelerator),
         )
+
+    def play(self, prompts, rows, env_seeds, uniforms, seeds, max_length, k=None, temperature=None, engine=True):
+        """--environment: k episodes of each prompt (utils.episodes; prompts as the dataset holds them, rows their dataset
+        rows, the prompt's column included, as TRL passes them), each environment reset from its prompt's row with
+        Python's random seeded by env_seeds (one per prompt: a prompt's k episodes start alike, so that they make a
+        group). uniforms (rows, max_turns x
+        response_length): each turn's sampling noise (None: torch's generator); seeds: the engine's, one per prompt.
+        Returns the rows' prompt token ids, episodes (rows, width), which tokens the policy sampled, the engine's
+        logprobs (or None) and (turns, cut off, tool calls, failed calls) (rows, 4)."""
+        run, args, k = self.run, self.args, k or self.k
+        prompts = self.env.start(
+            [p for p in prompts for _ in range(k)],
+            rows=[r for r in rows for _ in range(k)],
+            seeds=[s for s in env_seeds for _ in range(k)],
+        )
+        if any(prompts[j] != prompts[j - j % k] for j in range(len(prompts))):
+            die("--environment's reset() gave a prompt's episodes different prompts; a group must share its prompt")
+        pad, stride = run.tokenizer.pad_token_id, args.response_length
+
+        def sample(rows, seqs, turn):
+            queries, query_mask = (x.to(run.device) for x in left_pad(seqs, pad))
+            noise = uniforms[rows, turn * stride : turn * stride + max_length] if uniforms is not None else None
+            if turn == 0 and len(rows) == len(prompts):  # every episode's first turn: k completions of each prompt
+                group = k if self.chunk % k == 0 else 1
+                return self.complete(queries, query_mask, noise, seeds, max_length, k, group, temperature, engine)
+            # one completion of each row, which the engine seeds by its prompt's seed, the turn and the row
+            row_seeds = None if seeds is None else [(int(seeds[r // k]) + 7919 * turn + r) % 2**31 for r in rows]
+            return self.complete(queries, query_mask, noise, row_seeds, max_length, 1, 1, temperature, engine)
+
+        tokens, policy, engine_logprobs, turns, cut = episodes(
+            sample,
+            prompts,
+            self.env.respond,
+            max_turns=args.max_turns,
+            max_tokens=args.max_episode_tokens,
+            stop_token_id=run.stop_token_id,
+            reduce=(lambda n: run.reduce_sum(torch.tensor(n, device=run.device)).item()) if zero3(run.accelerator) else None,
+        )
+        rewards, calls, failures = self.env.finish(cut)
+        self.env_rewards = torch.tensor(rewards, device=run.device)
+        responses = torch.full((len(tokens), max(map(len, tokens))), pad, dtype=torch.long)
+        mask = torch.zeros(responses.shape, dtype=torch.bool)
+        logprobs = torch.full(responses.shape, INVALID_LOGPROB) if engine_logprobs is not None else None
+        for j, (t, p) in enumerate(zip(tokens, policy)):
+            responses[j, : len(t)], mask[j, : len(t)] = torch.tensor(t, dtype=torch.long), torch.tensor(p)
+            if logprobs is not None:
+                logprobs[j, : len(t)] = torch.tensor(engine_logprobs[j])
+        info = torch.tensor([turns, cut, calls, failures], dtype=torch.float).T
+        logprobs = logprobs.to(run.device) if logprobs is not None else None
+        return prompts, responses.to(run.device), mask.to(run.device), logprobs, info.to(run.device)
 
     def score(self, queries, query_mask, completions, texts, columns):
         """the completions truncated after the stop token, their lengths and every source's scores (sources, rows)"""
@@ -1123,13 +1432,36 @@ class Sampler:
             chunk=self.chunk,
         )
 
-    def final_scores(self, per_source, responses):
+    def score_episodes(self, ids, responses, lengths, texts, columns):
+        """every source's scores of the episodes (sources, rows): the environment's reward; the reward models read the
+        whole episode, the functions get its last policy turn as the completion and the conversation as `messages`"""
+        run = self.run
+        queries, query_mask = (x.to(run.device) for x in left_pad(ids, run.tokenizer.pad_token_id))
+        real = torch.arange(responses.shape[1], device=run.device)[None, :] < lengths[:, None]
+        return get_scores(
+            run.sources,
+            tokenizer=run.tokenizer,
+            query_responses=torch.cat([queries, responses], 1),
+            mask=torch.cat([query_mask, real.long()], 1),
+            context_length=queries.shape[1],
+            lengths=lengths,
+            prompts=texts,
+            columns={**columns, "messages": self.env.messages},
+            stop_token_id=run.stop_token_id,
+            completions=[next(m["content"] for m in reversed(c) if m["role"] == "assistant") for c in self.env.messages],
+            env_rewards=self.env_rewards,
+        )
+
+    def final_scores(self, per_source, responses, info=None):
         """(scores, scored, contain_eos): the weighted sum over the sources that scored each completion (one that none
-        scored takes no part), less --missing_eos_penalty for a completion cut off before the stop token (subtracted,
-        not replacing the score as TRL's old trainers did, so that the reward still ranks them)"""
+        scored takes no part), less --missing_eos_penalty for a completion cut off before the stop token (or an episode
+        cut off by a bound) (subtracted, not replacing the score as TRL's old trainers did, so that the reward still
+        ranks them)"""
         scores, scored = weighted_scores(per_source, self.run.sources)
         contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
-        if self.run.stop_token_id is not None:
+        if info is not None:
+            contain_eos = info[:, 1] == 0
+        elif self.run.stop_token_id is not None:
             contain_eos = (responses == self.run.stop_token_id).any(1)
         if self.args.missing_eos_penalty is not None:
             scores = scores - self.args.missing_eos_penalty * (~contain_eos).float()
@@ -1141,40 +1473,83 @@ class Sampler:
         prompts drawn as the first (at most --max_sampling_rounds rounds, as many on every process), until every
         process has local_prompts groups whose scores differ; keeps the first of them, in order (a batch still short
         is filled with dropped groups, earliest first). Each completion is scored once, as it is generated. Returns
-        the kept prompts, their completions truncated after the stop token (prompts * k, their longest), lengths, each
-        source's scores (sources, prompts * k), the engine's logprobs (--use_vllm; else None) and the metrics."""
+        the kept groups' rows (sample_rows) and the metrics."""
         run, args, k = self.run, self.args, self.k
         reduce_sum = functools.partial(run.accelerator.reduce, reduction="sum")
-        groups, keep = [], []  # (prompt, completions, lengths, scores, engine logprobs) per group; whether scores differ
+        rounds_rows, groups, keep = [], [], []  # each round's rows; (round, group) per group; whether scores differ
         for rounds in range(1, args.max_sampling_rounds + 1):
             if rounds > 1:  # every round generates up to the update's max_length
                 idx, uniforms, _, seeds = draw_prompts(run.data, args, k, run.accelerator.process_index)
-            queries, query_mask, texts, columns = self.prompt_rows(idx)
-            sampled, engine_logprobs = self.complete(queries, query_mask, uniforms, seeds, max_length)
-            responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
+            rows = self.sample_rows(idx, uniforms, seeds, max_length)
             # the score the advantages see, clipped (the running scale of --use_score_scaling, positive, makes no group
             # flat that was not)
-            scores, scored, _ = self.final_scores(per_source, responses)
+            scores, scored, _ = self.final_scores(rows["per_source"], rows["responses"], rows["info"])
             keep += distinct_groups(scale_scores(scores, scored, clip=args.score_clip), scored, k).tolist()
-            for j, i in enumerate(idx):
-                rows = slice(j * k, (j + 1) * k)
-                engine_rows = engine_logprobs[rows] if engine_logprobs is not None else None
-                groups.append((i, responses[rows], lengths[rows], per_source[:, rows], engine_rows))
+            groups += [(len(rounds_rows), j) for j in range(len(idx))]
+            rounds_rows.append(rows)
             short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=run.device))
             if short.item() == 0:  # every process has enough
                 break
         chosen, filled = select_groups(keep, args.local_prompts)
-        idx, responses, lengths, per_source, engine_logprobs = (list(x) for x in zip(*(groups[g] for g in chosen)))
-        # as wide as the kept completions' longest, which may be narrower than the rounds they came from
-        lengths, per_source = torch.cat(lengths), torch.cat(per_source, 1)
-        width = int(lengths.max())
-        responses = pad_cat(responses, run.tokenizer.pad_token_id)[:, :width]
-        engine_logprobs = pad_cat(engine_logprobs, INVALID_LOGPROB)[:, :width] if self.engine is not None else None
+        parts = []
+        for r, rows in enumerate(rounds_rows):  # in generation order
+            picked = [j * k + i for g in chosen if groups[g][0] == r for j in [groups[g][1]] for i in range(k)]
+            if picked:
+                parts.append(take_rows(rows, picked))
         counts = torch.tensor([len(keep), len(keep) - sum(keep), filled], device=run.device, dtype=torch.float)
         generated, dropped, filled = reduce_sum(counts).tolist()  # groups, on all processes
         stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/generated": generated}
         stats.update({"dynamic_sampling/dropped": dropped, "dynamic_sampling/filled": filled})
-        return idx, responses, lengths, per_source, engine_logprobs, stats
+        return cat_rows(parts, run.tokenizer.pad_token_id), stats
+
+
+def take_rows(rows, picked):
+    """sample_rows' rows at the positions picked"""
+    out = {}
+    for name, value in rows.items():
+        if value is None:
+            out[name] = None
+        elif name == "per_source":
+            out[name] = value[:, picked]
+        elif name == "columns":
+            out[name] = {c: [values[i] for i in picked] for c, values in value.items()}
+        else:
+            out[name] = value[picked] if torch.is_tensor(value) else [value[i] for i in picked]
+    return out
+
+
+def cat_rows(parts, pad_token_id):
+    """sample_rows' rows of several rounds, one after another (each (rows, width) tensor padded to the widest)"""
+    first, pads = parts[0], {"responses": pad_token_id, "engine": INVALID_LOGPROB, "policy": False}
+    out = {}
+    for name, value in first.items():
+        values = [p[name] for p in parts]
+        if value is None:
+            out[name] = None
+        elif name in pads:
+            out[name] = pad_cat(values, pads[name])
+        elif name == "per_source":
+            out[name] = torch.cat(values, 1)
+        elif name == "columns":
+            out[name] = {c: [x for v in values for x in v[c]] for c in value}
+        else:
+            out[name] = torch.cat(values) if torch.is_tensor(value) else [x for v in values for x in v]
+    return out
+
+
+def episode_stats(run, info, policy, lengths):
+    """--environment's metrics, over all processes: turns per episode, tool calls and failed calls per episode, the
+    fraction of episodes cut off by a bound, and of episode tokens the policy sampled"""
+    counts = torch.tensor([policy.sum(), lengths.sum(), len(info)], device=info.device, dtype=torch.float)
+    sums = torch.cat([info.sum(0), counts])
+    turns, cut, calls, failures, policy_tokens, tokens, n = run.reduce_sum(sums).tolist()
+    return {
+        "env/turns": turns / n,
+        "env/cut_off": cut / n,
+        "env/tool_calls": calls / n,
+        "env/tool_failures": failures / n,
+        "env/policy_token_fraction": policy_tokens / max(tokens, 1.0),
+    }
 
 
 def select_groups(keep, n):
@@ -1295,10 +1670,10 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
 
 
 def load_eval(args, tokenizer, columns):
-    """The held-out set as (queries, texts, references or None, columns), or None without one: --eval_dataset_name's
-    --eval_split read as the training prompts are (a set without a column the reward functions read is refused); the
-    TL;DR scripts': the first --eval_examples prompts of the dataset's --eval_split and their reference summaries (the
-    reward model, which scores them, reads no column)."""
+    """The held-out set as (queries, texts, references or None, columns, the prompts as the dataset holds them), or
+    None without one: --eval_dataset_name's --eval_split read as the training prompts are (a set without a column the
+    reward functions read is refused); the TL;DR scripts': the first --eval_examples prompts of the dataset's
+    --eval_split and their reference summaries (the reward model, which scores them, reads no column)."""
     if isinstance(args, TldrArgs):
         queries, texts, references, _ = load_prompts(
             args.dataset_name,
@@ -1310,37 +1685,42 @@ def load_eval(args, tokenizer, columns):
             long_prompts=args.eval_long_prompts,
         )
         first = slice(args.eval_examples)
-        return queries[first], texts[first], references[first], {}
+        return queries[first], texts[first], references[first], {}, None
     if args.eval_dataset_name is None:
         return None
+    raw = []  # the prompts as the dataset holds them, for --environment's episodes
     queries, texts, references, eval_columns = load_prompts(
         args.eval_dataset_name,
         split=args.eval_split,
         prompt_field=args.prompt_field,
         tokenizer=tokenizer,
         max_prompt_length=args.max_prompt_length,
+        raw=raw,
     )
     missing = sorted(set(columns) - set(eval_columns))
     if missing:
         die(f"--eval_dataset_name {args.eval_dataset_name!r} lacks the training set's column(s) {missing}")
-    return queries, texts, references, eval_columns
+    return queries, texts, references, eval_columns, raw
 
 
 def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, stop_token_id, batch_size, k=0,
-             temperature=1.0, seed=0):  # fmt: skip
+             temperature=1.0, seed=0, sampler=None):  # fmt: skip
     """Completions of the held-out prompts scored by the reward sources (the weighted score, as in training): a greedy
     one per prompt (eval/scores: with a 0/1 reward such as accuracy, pass@1), and with k > 0, k sampled at temperature
     (eval/mean@k, the mean score of the samples; eval/pass@k, the mean over prompts of the best sample's score: with a
     0/1 reward, the share of prompts some sample solved). As in training, a completion no source scored (each returned
     None) has no score and is in no mean; eval/unscored (and eval/unscored@k) count them. The samples draw their noise
     from a generator of their own seeded with `seed`, by prompt, so an evaluation is the same on any number of
-    processes and in a resumed run. eval_set = (queries, texts, references or None, columns). Each process takes every
+    processes and in a resumed run. With --environment (sampler.env) each completion is an episode (greedy or sampled
+    turns), its environment seeded by seed and the prompt. eval_set = load_eval's. Each process takes every
     world_size-th prompt. Returns (metrics, samples) on the main process, (None, None) on the others; the samples
     (prompt, reference, completion, score, ...) are what benchmark/judge_tldr.py judges. model: the policy as accelerate
     prepared it (PPO's PolicyAndValue: its policy)."""
     policy = accelerator.unwrap_model(model)
     policy = getattr(policy, "policy", policy)
-    queries, texts, references, columns = eval_set
+    queries, texts, references, columns, raw = eval_set
+    env = sampler.env if sampler is not None else None
+    width = response_length * (sampler.args.max_turns if env is not None else 1)  # the noise of every turn
     device = accelerator.device
     synced = zero3(accelerator)
     mine = list(range(accelerator.process_index, len(queries), accelerator.num_processes))
@@ -1349,11 +1729,41 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
     # prompt fewer repeats one and drops its copy's sample
     mine += [mine[-1] if mine else 0] * (-(-len(queries) // accelerator.num_processes) - len(mine))
     # the sampling noise of prompt i's k samples, the same whichever process evaluates it
-    uniforms = torch.rand((len(queries), k, response_length), generator=torch.Generator().manual_seed(seed)) if k else None
+    uniforms = torch.rand((len(queries), k, width), generator=torch.Generator().manual_seed(seed)) if k else None
 
     def complete(idx, repeat, noise):
         """Completions of the prompts idx, each `repeat` times (greedy without noise), their scores and lengths: the
         rollout's sampling and scoring."""
+        prompts = [texts[i] for i in idx for _ in range(repeat)]
+        rows = {name: [values[i] for i in idx for _ in range(repeat)] for name, values in columns.items()}
+        if env is not None:
+            completions, lengths, per_source, stopped = play(idx, repeat, noise, prompts, rows)
+        else:
+            completions, lengths, per_source, stopped = complete_once(idx, repeat, noise, prompts, rows)
+        scores, scored = weighted_scores(per_source, sources)
+        scores = scores.masked_fill(~scored, math.nan).tolist()  # NaN: no source scored it
+        scores = [None if math.isnan(x) else x for x in scores]
+        return completions, per_source, scores, lengths, stopped
+
+    def play(idx, repeat, noise, prompts, rows):
+        """--environment: an episode per row (no engine, as below); the completion is its conversation"""
+        ids, response, mask, _, info = sampler.play(
+            [raw[i] for i in idx],
+            rows=[{sampler.args.prompt_field: raw[i], **{c: v[i] for c, v in columns.items()}} for i in idx],
+            env_seeds=[seed * 100003 + i for i in idx],
+            uniforms=noise,
+            seeds=None,
+            max_length=response_length,
+            k=repeat,
+            temperature=temperature if noise is not None else 0.0,
+            engine=False,
+        )
+        lengths = mask.shape[1] - mask.flip(1).long().argmax(1)
+        per_source = sampler.score_episodes(ids, response, lengths, prompts, rows)
+        return [list(m) for m in env.messages], lengths, per_source, info[:, 1] == 0
+
+    def complete_once(idx, repeat, noise, prompts, rows):
+        """one completion of each row, truncated after the stop token and scored"""
         query, query_mask = left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
         query = query.repeat_interleave(repeat, 0).to(device)
         query_mask = query_mask.repeat_interleave(repeat, 0).to(device)
@@ -1378,17 +1788,13 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             query,
             query_mask,
             response,
-            prompts=[texts[i] for i in idx for _ in range(repeat)],
-            columns={name: [values[i] for i in idx for _ in range(repeat)] for name, values in columns.items()},
+            prompts=prompts,
+            columns=rows,
             stop_token_id=stop_token_id,
             chunk=len(query),
         )
-        scores, scored = weighted_scores(per_source, sources)
-        scores = scores.masked_fill(~scored, math.nan).tolist()  # NaN: no source scored it
-        scores = [None if math.isnan(x) else x for x in scores]
         stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
-        completions = tokenizer.batch_decode(response, skip_special_tokens=True)
-        return completions, per_source, scores, lengths, stopped
+        return [c.strip() for c in tokenizer.batch_decode(response, skip_special_tokens=True)], lengths, per_source, stopped
 
     samples = []
     with torch.no_grad(), accelerator.autocast():  # the precision the policy trains in
@@ -1396,14 +1802,14 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             idx = mine[start : start + batch_size]
             completions, per_source, scores, lengths, stopped = complete(idx, 1, None)
             if k:  # (prompts * k, ...): row j * k + i is prompt j's i-th sample
-                noise = uniforms[idx].reshape(-1, response_length).to(device)
+                noise = uniforms[idx].reshape(-1, width).to(device)
                 sampled, _, sampled_scores, _, _ = complete(idx, k, noise)
             for j, i in enumerate(idx[: max(0, real - start)]):
                 sample = {
                     "index": i,
                     "prompt": texts[i],
                     "reference": references[i] if references is not None else None,
-                    "completion": completions[j].strip(),
+                    "completion": completions[j],
                     "score": scores[j],
                     "length": lengths[j].item(),
                     "stopped": bool(stopped[j]),
@@ -1412,7 +1818,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
                     sample["rewards"] = {s["name"]: per_source[n, j].item() for n, s in enumerate(sources)}
                 if k:
                     sample["samples"] = [
-                        {"completion": sampled[j * k + r].strip(), "score": sampled_scores[j * k + r]} for r in range(k)
+                        {"completion": sampled[j * k + r], "score": sampled_scores[j * k + r]} for r in range(k)
                     ]
                 samples.append(sample)
     samples = gather_object(samples)
@@ -1516,7 +1922,8 @@ def write_model_card(args, script, algorithm, doc, base_model, sources):
         "|-|-|-|",
     ]
     for source in sources:
-        kind = f"reward model `{source['path']}`" if "model" in source else f"function `{source['spec']}`"
+        kind = f"reward model `{source['path']}`" if "model" in source else f"function `{source.get('spec')}`"
+        kind = f"environment `{args.environment}`" if "env" in source else kind
         lines.append(f"| {source['name']} | {kind} | {source['weight']:g} |")
 
     # the latest value of each metric: the last row, and with a held-out evaluation the last evaluation's too
@@ -1747,20 +2154,30 @@ class Run:
         sources (in --reward_weights' order: reward models, then functions) and the PTX texts; then their draws."""
         args, accelerator = self.args, self.accelerator
         self.tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        if getattr(args, "chat_template", None):
+            if not os.path.isfile(args.chat_template):
+                die(f"--chat_template file {args.chat_template!r} does not exist")
+            self.tokenizer.chat_template = open(args.chat_template).read()
         self.stop_token_id = args.stop_token_id
         if self.stop_token_id is None and args.stop_token == "eos":
             self.stop_token_id = self.tokenizer.eos_token_id
             if self.stop_token_id is None:
                 die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+        self.prompts, self.env = [], None  # the prompts as the dataset holds them; --environment's class
         self.queries, self.texts, _, self.columns = load_prompts(
             args.dataset_name,
             split=args.dataset_split,
             prompt_field=args.prompt_field,
             tokenizer=self.tokenizer,
             max_prompt_length=args.max_prompt_length,
+            raw=self.prompts,
         )
+        if getattr(args, "environment", None):
+            self.env = Environments(args.environment, self.tokenizer)
+            if self.env.tools and isinstance(self.prompts[0], str):
+                die(f"{self.env.name}'s tools reach the model through the chat template: the prompts must be chat messages")
         self.eval_set = load_eval(args, self.tokenizer, self.columns)
-        self.sources = load_reward_sources(args, self.tokenizer, columns=self.columns)
+        self.sources = load_reward_sources(args, self.tokenizer, columns=self.columns, env=self.env)
         self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
         # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
         # own slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own,
@@ -1888,7 +2305,8 @@ class Run:
                 episode=self.episode,
                 update=update,
                 prompts=batch.texts,
-                completions=self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True),
+                # an episode: its whole conversation
+                completions=batch.conversations or self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True),
                 per_source=batch.per_source,
                 sources=self.sources,
                 scores=batch.raw_scores.masked_fill(~batch.scored, float("nan")),
@@ -1916,6 +2334,7 @@ class Run:
             k=0 if tldr else args.num_eval_generations,
             temperature=args.temperature,
             seed=args.seed + self.episode,  # the same samples in a resumed run
+            sampler=self.sampler,
         )
         if self.accelerator.is_main_process:
             record_eval(args.output_dir, episode=self.episode, metrics=metrics, samples=samples, writer=self.writer)

@@ -47,9 +47,9 @@ class RLOOArgs:
 
 
 @dataclass
-class Args(RLOOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EvalArgs, infra.RunArgs):
+class Args(RLOOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EnvArgs, infra.EvalArgs, infra.RunArgs):
     """RLOO's flags, then those of the groups every script shares (infra.py): the rollout's, the data's and
-    rewards', the evaluation's and the run's."""
+    rewards', the environment's (multi-turn episodes), the evaluation's and the run's."""
 
 
 def rloo_advantages(rlhf_reward, k, scored):
@@ -87,7 +87,7 @@ def main(args):
         # 1. k completions per prompt, truncated after the stop token and scored: the sources' weighted score less the
         # missing-EOS penalty, scaled and clipped (batch.scores)
         batch = sampler.sample()
-        padding_mask = batch.padding_mask  # (rows, width): True past each completion's end
+        padding_mask = batch.padding_mask  # (rows, width): True where the policy did not sample (padding, observations)
 
         # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap: at the
         # first update the policy and the reference then give identical logprobs

@@ -113,7 +113,7 @@ def main(args):
         # 1. k completions per prompt, truncated after the stop token and scored: the sources' weighted score less the
         # missing-EOS penalty, scaled and clipped (batch.scores)
         batch = sampler.sample()
-        padding_mask = batch.padding_mask  # (rows, width): True past each completion's end
+        padding_mask = batch.padding_mask  # (rows, width): True where the policy did not sample (padding, observations)
 
         # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap: at the
         # first update the policy and the reference then give identical logprobs

@@ -20,17 +20,6 @@ def die(msg):
     raise SystemExit(f"error: {msg}")
 
 
-def left_pad(seqs, pad_token_id):
-    """Token-id lists -> (ids, mask), both (batch, longest), padded on the left."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # forward passes and the value head
 
@@ -193,9 +182,7 @@ def generate(
     each token (sample_tokens; None: drawn from torch's generator). group: rows come in groups of copies of one query,
     whose prompt then runs once. synced (ZeRO-3, where each forward pass needs every process): stop only once every
     process's rows have stopped. Returns responses (batch, <= response_length)."""
-    if uniforms is None:
-        uniforms = torch.rand(len(queries), response_length)
-    uniforms = uniforms.to(queries.device)
+    uniforms = (torch.rand(len(queries), response_length) if uniforms is None else uniforms).to(queries.device)
     out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
     if group > 1:  # (prompts, ...) -> (prompts * group, ...)
         out.past_key_values.batch_repeat_interleave(group)
@@ -226,6 +213,42 @@ def generate(
     return torch.cat(tokens, dim=1)
 
 
+def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, reduce=None):
+    """Multi-turn episodes, token in and token out: a row's episode is the tokens the policy sampled, turn after turn,
+    and each observation's tokens as they come (never re-rendered from text). Turn t: sample(rows, their prompts +
+    episodes, t) -> (tokens (rows, width), engine logprobs or None), each turn cut after its stop token and at
+    max_tokens; respond(rows, turns) -> each row's observation (token ids) or None (over). An episode is cut off if a
+    turn has no stop token, at max_turns, or where the observation and a token would pass max_tokens. reduce (ZeRO-3)
+    sums a count over the processes: all sample every turn. Returns per row its tokens (after the prompt), which the
+    policy sampled, the engine's logprobs (0 on observations; or None), its turns and whether it was cut off."""
+    n = len(prompts)
+    tokens, policy, engine = ([[] for _ in range(n)] for _ in range(3))
+    turns, cut, active, logprobs = [0] * n, [False] * n, list(range(n)), None
+    for t in range(max_turns):
+        # a process whose episodes have ended still takes part in each forward pass of the others' turns (ZeRO-3)
+        if (reduce(len(active)) if reduce else len(active)) == 0:
+            break
+        rows = active or [0]  # (such a process samples a copy of its first row, unused)
+        sampled, logprobs = sample(rows, [prompts[i] + tokens[i] for i in rows], t)
+        done = []
+        for j, i in enumerate(active):
+            turn = sampled[j].tolist()[: max_tokens - len(tokens[i])]
+            turn = turn[: turn.index(stop_token_id) + 1] if stop_token_id in turn else turn
+            tokens[i], policy[i], turns[i] = tokens[i] + turn, policy[i] + [True] * len(turn), turns[i] + 1
+            engine[i] += logprobs[j, : len(turn)].tolist() if logprobs is not None else []
+            done.append(turn)
+        still = []
+        for i, turn, obs in zip(active, done, respond(active, done) if active else []):
+            stopped = stop_token_id is None or turn[-1:] == [stop_token_id]
+            if obs is not None and (not stopped or t == max_turns - 1 or len(tokens[i]) + len(obs) >= max_tokens):
+                cut[i] = True  # the environment would go on, a bound does not
+            elif obs is not None:
+                tokens[i], policy[i], engine[i] = tokens[i] + obs, policy[i] + [False] * len(obs), engine[i] + [0.0] * len(obs)
+                still.append(i)
+        active = still
+    return tokens, policy, engine if logprobs is not None else None, turns, cut
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # importance weights and group statistics
 
@@ -245,11 +268,8 @@ def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=N
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     outside = (ratio < low) | (ratio > high)
-    if level == "sequence":
-        fraction = outside.float().mean()
-    else:
-        outside &= real
-        fraction = outside.sum() / real.sum().clamp(min=1)
+    outside = outside if level == "sequence" else outside & real  # a token's: of the real tokens only
+    fraction = outside.float().mean() if level == "sequence" else outside.sum() / real.sum().clamp(min=1)
     weights = ratio.clamp(low, high) if action == "truncate" else ratio.masked_fill(outside, 0.0)
     if level == "token":
         weights = weights.masked_fill(padding_mask, 1.0)
@@ -276,18 +296,6 @@ def pad_cat(chunks, value):
     padded with `value` to the widest and concatenated: (rows, width, ...)."""
     width = max(c.shape[1] for c in chunks)
     return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=value) for c in chunks])
-
-
-def truncate_response(responses, stop_token_id, pad_token_id):
-    """Each response up to and including its first stop token, the rest padding. Returns (responses, lengths); lengths
-    count the stop token, so rows without one have the full length."""
-    width = responses.shape[1]
-    if stop_token_id is None:
-        return responses, torch.full((len(responses),), width, device=responses.device)
-    is_stop = responses == stop_token_id
-    lengths = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, width)
-    idx = torch.arange(width, device=responses.device)
-    return responses.masked_fill(idx[None, :] >= lengths[:, None], pad_token_id), lengths
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -399,22 +407,16 @@ def kl_estimate(logprobs, ref_logprobs, kind="k1"):
 def masked_mean(values, mask, dim=None):
     """The mean of values where mask is true; 0 where it is nowhere true."""
     mask = mask.to(values.dtype)
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1)
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def masked_whiten(values, mask, shift_mean=True, reduce=None):
     """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False). reduce, e.g.
     partial(accelerator.reduce, reduction="sum"), sums the statistics over processes, so N processes whiten as one."""
-    m = mask.to(values.dtype)
-    sums = torch.stack([(values * m).sum(), m.sum()])
-    if reduce is not None:
-        sums = reduce(sums)
+    m, reduce = mask.to(values.dtype), reduce or (lambda x: x)
+    sums = reduce(torch.stack([(values * m).sum(), m.sum()]))
     mean, n = sums[0] / sums[1], sums[1]
-    squares = ((values - mean) ** 2 * m).sum()
-    if reduce is not None:
-        squares = reduce(squares)
+    squares = reduce(((values - mean) ** 2 * m).sum())
     whitened = (values - mean) * torch.rsqrt(squares / (n - 1).clamp(min=1) + 1e-8)  # unbiased variance
     return whitened if shift_mean else whitened + mean
 

@@ -25,14 +25,19 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from grpo import aggregate_loss, group_advantages  # noqa: E402  (grpo.py's own functions; its main is guarded)
-from infra import load_pretrained, load_prompts, load_tokenizer, sentiment_reward  # noqa: E402
+from infra import (  # noqa: E402
+    left_pad,
+    load_pretrained,
+    load_prompts,
+    load_tokenizer,
+    sentiment_reward,
+    truncate_response,
+)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
     forward_grouped,
     generate,
-    left_pad,
     logprobs_from_logits,
-    truncate_response,
 )
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

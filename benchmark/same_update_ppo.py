@@ -208,7 +208,15 @@ import copy  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
-from infra import Shuffled, load_pretrained, load_prompts, load_tokenizer, rm_scores  # noqa: E402
+from infra import (  # noqa: E402
+    Shuffled,
+    left_pad,
+    load_pretrained,
+    load_prompts,
+    load_tokenizer,
+    rm_scores,
+    truncate_response,
+)
 from ppo import compute_gae, place_scores, value_loss  # noqa: E402  (ppo.py's own functions; its main is guarded)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
@@ -217,11 +225,9 @@ from utils import (  # noqa: E402
     generate,
     init_value_head,
     kl_estimate,
-    left_pad,
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
-    truncate_response,
 )
 
 # ------------------------------------------------------------------------------------------------------------------

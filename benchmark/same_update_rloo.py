@@ -62,16 +62,22 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from infra import Shuffled, load_pretrained, load_prompts, load_tokenizer, sentiment_reward  # noqa: E402
+from infra import (  # noqa: E402
+    Shuffled,
+    left_pad,
+    load_pretrained,
+    load_prompts,
+    load_tokenizer,
+    sentiment_reward,
+    truncate_response,
+)
 from rloo import rloo_advantages  # noqa: E402  (rloo.py's own function; its main is guarded)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
     forward_grouped,
     generate,
     kl_estimate,
-    left_pad,
     logprobs_from_logits,
-    truncate_response,
 )
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

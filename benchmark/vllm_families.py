@@ -43,7 +43,7 @@ def one(name):
         engine = infra.vllm_engine(accelerator, args, model)
     except SystemExit as e:
         return {"family": name, "runs": False, "refusal": str(e)}
-    queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
+    queries, mask = infra.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
     responses, engine_logprobs = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=8, temperature=0.7,
                                                      stop_token_id=None, seeds=[1, 2, 3], pad_token_id=0)  # fmt: skip
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)

@@ -131,13 +131,13 @@ def test_masked_statistics_match_selected_entries():
 def test_truncate_response_keeps_the_stop_token_and_pads_after_it():
     stop, pad = 9, 0
     responses = torch.tensor([[5, 9, 7, 9], [5, 6, 7, 8], [9, 1, 2, 3], [4, 4, 4, 9]])
-    out, lengths = utils.truncate_response(responses, stop, pad)
+    out, lengths = infra.truncate_response(responses, stop, pad)
     assert out.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0], [4, 4, 4, 9]]
     assert lengths.tolist() == [2, 4, 1, 4]
     # pad == stop (a tokenizer whose pad token is its EOS): lengths still come from the first stop token
-    out, lengths = utils.truncate_response(responses, stop, stop)
+    out, lengths = infra.truncate_response(responses, stop, stop)
     assert lengths.tolist() == [2, 4, 1, 4]
-    out, lengths = utils.truncate_response(responses, None, pad)
+    out, lengths = infra.truncate_response(responses, None, pad)
     assert out.tolist() == responses.tolist() and lengths.tolist() == [4, 4, 4, 4]
 
 
@@ -206,7 +206,7 @@ def test_chunked_entropy_gradient_matches_autograd(budget, terms):
 
 
 def test_left_pad():
-    ids, mask = utils.left_pad([[1, 2, 3], [4]], pad_token_id=0)
+    ids, mask = infra.left_pad([[1, 2, 3], [4]], pad_token_id=0)
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
@@ -223,7 +223,7 @@ def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
     left-padded query+response, with logits / temperature, gives the log-probabilities generate() sampled from."""
     model, tok = tiny_lm
     temperature = 0.7
-    queries, mask = utils.left_pad([tok("the function returns")["input_ids"], tok("a")["input_ids"]], tok.pad_token_id)
+    queries, mask = infra.left_pad([tok("the function returns")["input_ids"], tok("a")["input_ids"]], tok.pad_token_id)
     torch.manual_seed(0)
     out = model.generate(
         input_ids=queries,
@@ -252,7 +252,7 @@ def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
 def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     """Our KV-cached sampler against a naive one that reruns the whole sequence per token, same random stream."""
     model, tok = tiny_lm
-    queries, mask = utils.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
+    queries, mask = infra.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
     uniforms = torch.rand(len(queries), 8)
     ours = utils.generate(model, queries, mask, response_length=8, temperature=0.9, uniforms=uniforms)
     seq, seq_mask = queries, mask
@@ -276,7 +276,7 @@ def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
     give, the batch only as wide as its longest completion."""
     model, tok = tiny_lm
     prompts = ["the list of", "x", "a b c", "the function returns"]
-    queries, mask = utils.left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
+    queries, mask = infra.left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
     queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # (prompts * 2, query_len)
     texts = [p for p in prompts for _ in range(2)]
     uniforms = torch.rand(len(queries), 10, generator=torch.Generator().manual_seed(0))
@@ -342,7 +342,7 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm, tiny_model
     else:
         model = tiny_llama(tok, attn)
     k, width = 3, 5
-    prompts, pmask = utils.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]], tok.pad_token_id)
+    prompts, pmask = infra.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]], tok.pad_token_id)
     queries, qmask = prompts.repeat_interleave(k, 0), pmask.repeat_interleave(k, 0)  # row j * k + i: prompt j
     responses = torch.randint(0, model.config.vocab_size, (len(queries), width), generator=torch.Generator().manual_seed(0))
     rmask = (torch.arange(width)[None, :] < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]).long()
@@ -427,12 +427,12 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     length = 10
     prompt = tok("the")["input_ids"]
     uniforms = torch.rand(3, length, generator=torch.Generator().manual_seed(0))
-    query, query_mask = utils.left_pad([prompt], tok.pad_token_id)
+    query, query_mask = infra.left_pad([prompt], tok.pad_token_id)
     first = utils.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
     first = first[0].tolist()
     # rows 1 and 2 go on from row 0's first and second token with its numbers, so they meet its later tokens one and
     # two steps sooner: the stop token below stops the rows at three different steps
-    queries, mask = utils.left_pad([prompt, prompt + first[:1], prompt + first[:2]], tok.pad_token_id)
+    queries, mask = infra.left_pad([prompt, prompt + first[:1], prompt + first[:2]], tok.pad_token_id)
     uniforms[1, :-1], uniforms[2, :-2] = uniforms[0, 1:], uniforms[0, 2:]
     calls = []
 
@@ -525,7 +525,7 @@ def reward_model_batch(tok, rows, stop):
     left-padded queries, then right-padded responses ending with the stop token where stopped."""
     q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q, _, _ in rows]
     r_ids = [tok(c, add_special_tokens=False)["input_ids"] + [stop] * stopped for _, c, stopped in rows]
-    queries, query_mask = utils.left_pad(q_ids, tok.pad_token_id)
+    queries, query_mask = infra.left_pad(q_ids, tok.pad_token_id)
     lengths = torch.tensor([len(r) for r in r_ids])
     width = int(lengths.max())
     responses = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in r_ids])

@@ -78,14 +78,14 @@ expected = draw()
 torch.set_rng_state(streams[0]); random.setstate(streams[1]); numpy.random.set_state(streams[2])
 engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0, is_main_process=True), args, policy)
 streams_kept = draw() == expected  # the engine seeds them as it starts; vllm_engine puts them back
-queries, mask = utils.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
+queries, mask = infra.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
 
 def worst(model, seeds):
     # the engine's logprobs of its samples against the trainer's: logits / temperature of the same model
     responses, engine_logprobs = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=0.7,
                                                      stop_token_id={eos}, seeds=seeds, pad_token_id=0)
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
-    responses, lengths = utils.truncate_response(responses, {eos}, 0)
+    responses, lengths = infra.truncate_response(responses, {eos}, 0)
     padding = torch.arange(responses.shape[1])[None, :] >= lengths[:, None]
     with torch.no_grad():
         logits = utils.forward(model, torch.cat([q, responses], 1), torch.cat([m, (~padding).long()], 1)).logits
@@ -404,7 +404,7 @@ def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
                                     seeds=[1, 2, 3], pad_token_id=0)[0]
         at_eos = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
                                      seeds=[1, 2, 3], pad_token_id=0)[0]
-        lengths = utils.truncate_response(at_eos, {eos}, 0)[1]
+        lengths = infra.truncate_response(at_eos, {eos}, 0)[1]
         print("RESULT", "x".join(map(str, never.shape)), int((never == {eos}).sum()), sorted(set(lengths.tolist())))
         """,
         eos_neox_dir,
@@ -414,3 +414,36 @@ def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
     shape, eos_sampled, lengths = out.split("RESULT")[1].strip().split(" ", 2)
     assert shape == "9x12" and int(eos_sampled) > 3  # full length, EOS tokens and all
     assert len(eval(lengths)) > 1 and min(eval(lengths)) < 12  # stopped at EOS, at different lengths
+
+
+ECHO = """
+class Echo:
+    def reset(self, **row):
+        self.turn = 0
+
+    def step(self, completion):
+        self.turn += 1
+        if self.turn == 1:
+            return " Once more:", 0.0, False
+        return None, sum(ch in "aeiou" for ch in completion) / max(1, len(completion)), True
+"""
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])
+def test_episodes_with_vllm_weigh_the_policys_tokens_only(script, run, tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """--environment with --use_vllm (and grpo.py with --dynamic_sampling too): the engine continues each episode from
+    its tokens, and its logprobs of the policy's tokens equal the trainer's; the observations, which the engine did not
+    sample, are no part of the importance weights or their mismatch metrics."""
+    (tmp_path / "envs.py").write_text(ECHO)
+    epochs = "--num_iterations 2 --dynamic_sampling" if script == "grpo.py" else "--num_ppo_epochs 2"
+    extra = (
+        f"--environment {tmp_path}/envs.py:Echo --stop_token None --total_episodes 32 --per_device_train_batch_size 16"
+        f" --no_save_model {epochs}"
+    )
+    out = tmp_path / "out"
+    command = vllm_command(script, tiny_llama_dir, tiny_prompts_file, out, extra)
+    check_ok(run(command.replace("--response_length 12", "--response_length 6"), cwd=tmp_path))
+    (row,) = read_metrics(out)
+    assert row["env/turns"] == 2 and 0.2 < row["env/policy_token_fraction"] < 0.8
+    assert row["vllm/logprob_diff_max"] < 1e-3, row

@@ -1,0 +1,27 @@
+"""A text environment: guess the number, a multi-turn game with a verifiable reward.
+
+reset() takes the secret number from the dataset row (guess_number.jsonl: a prompt and a `secret` from 1 to 10) and
+adds the rules to the prompt; step() reads the reply's last number and answers "Higher." or "Lower." as the next user
+turn, until the guess is right (reward 1, less 0.1 for each wrong guess before it) or the turns run out (reward 0).
+Train SmolLM2-135M-Instruct on the CPU:
+
+    python grpo.py --dataset_name examples/environments/guess_number.jsonl \
+        --environment examples/environments/guess_number.py:GuessNumber --max_turns 4 --response_length 16
+"""
+
+import re
+
+
+class GuessNumber:
+    def reset(self, **row):
+        self.secret, self.wrong = row["secret"], 0
+        return " I picked a whole number from 1 to 10. Guess it: answer with one number, and I will say higher or lower."
+
+    def step(self, completion):
+        numbers = re.findall(r"\d+", completion)
+        if numbers and int(numbers[-1]) == self.secret:
+            return None, max(0.0, 1.0 - 0.1 * self.wrong), True
+        self.wrong += 1
+        if not numbers:
+            return "Answer with one number from 1 to 10.", 0.0, False
+        return ("Higher." if int(numbers[-1]) < self.secret else "Lower."), 0.0, False
