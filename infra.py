@@ -1332,7 +1332,7 @@ class Sampler:
             responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
             policy = torch.arange(responses.shape[1], device=run.device)[None, :] < lengths[:, None]
         else:
-            ids, responses, policy, engine, info = self.play(
+            ids, responses, lengths, policy, engine, info = self.play(
                 [run.prompts[i] for i in idx],
                 rows=[{self.args.prompt_field: run.prompts[i], **{c: v[i] for c, v in run.columns.items()}} for i in idx],
                 env_seeds=[int(u * 2**31) for u in uniforms[::k, -1].tolist()],  # from each group's own noise
@@ -1340,7 +1340,6 @@ class Sampler:
                 seeds=seeds,
                 max_length=max_length,
             )
-            lengths = policy.shape[1] - policy.flip(1).long().argmax(1)  # through each episode's last policy token
             messages = self.env.messages
             per_source = self.score_episodes(ids, responses, lengths, texts, columns)
         return dict(
@@ -1374,8 +1373,8 @@ class Sampler:
         Python's random seeded by env_seeds (one per prompt: a prompt's k episodes start alike, so that they make a
         group). uniforms (rows, max_turns x
         response_length): each turn's sampling noise (None: torch's generator); seeds: the engine's, one per prompt.
-        Returns the rows' prompt token ids, episodes (rows, width), which tokens the policy sampled, the engine's
-        logprobs (or None) and (turns, cut off, tool calls, failed calls) (rows, 4)."""
+        Returns the rows' prompt token ids, episodes (rows, width), their lengths (observations included), which tokens
+        the policy sampled, the engine's logprobs (or None) and (turns, cut off, tool calls, failed calls) (rows, 4)."""
         run, args, k = self.run, self.args, k or self.k
         prompts = self.env.start(
             [p for p in prompts for _ in range(k)],
@@ -1416,7 +1415,8 @@ class Sampler:
                 logprobs[j, : len(t)] = torch.tensor(engine_logprobs[j])
         info = torch.tensor([turns, cut, calls, failures], dtype=torch.float).T
         logprobs = logprobs.to(run.device) if logprobs is not None else None
-        return prompts, responses.to(run.device), mask.to(run.device), logprobs, info.to(run.device)
+        lengths = torch.tensor([len(t) for t in tokens], device=run.device)
+        return prompts, responses.to(run.device), lengths, mask.to(run.device), logprobs, info.to(run.device)
 
     def score(self, queries, query_mask, completions, texts, columns):
         """the completions truncated after the stop token, their lengths and every source's scores (sources, rows)"""
@@ -1747,7 +1747,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
 
     def play(idx, repeat, noise, prompts, rows):
         """--environment: an episode per row (no engine, as below); the completion is its conversation"""
-        ids, response, mask, _, info = sampler.play(
+        ids, response, lengths, _, _, info = sampler.play(
             [raw[i] for i in idx],
             rows=[{sampler.args.prompt_field: raw[i], **{c: v[i] for c, v in columns.items()}} for i in idx],
             env_seeds=[seed * 100003 + i for i in idx],
@@ -1758,7 +1758,6 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             temperature=temperature if noise is not None else 0.0,
             engine=False,
         )
-        lengths = mask.shape[1] - mask.flip(1).long().argmax(1)
         per_source = sampler.score_episodes(ids, response, lengths, prompts, rows)
         return [list(m) for m in env.messages], lengths, per_source, info[:, 1] == 0
 
