@@ -39,7 +39,7 @@ from accelerate.utils import gather_object
 from rich.pretty import pprint
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import (
     INVALID_LOGPROB,
@@ -589,15 +589,7 @@ def load_prompts(
     references = ds[reference_field] if reference_field else [None] * len(ds)
     queries, texts, refs, kept = [], [], [], []
     for row, (value, ref) in enumerate(zip(ds[prompt_field], references)):
-        if isinstance(value, list):
-            if tokenizer.chat_template is None:
-                die(f"column {prompt_field!r} holds chat messages but the tokenizer has no chat template")
-            ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True, return_dict=False)
-            text = value[-1]["content"]
-        elif isinstance(value, str):
-            ids, text = tokenizer(value, add_special_tokens=False)["input_ids"], value
-        else:
-            die(f"column {prompt_field!r} must hold strings or chat messages, got {type(value).__name__}")
+        ids, text = prompt_ids(tokenizer, value, prompt_field)
         if reference_field and not isinstance(ref, str):
             die(f"column {reference_field!r} must hold strings, got {type(ref).__name__}")
         if long_prompts == "truncate":
@@ -613,6 +605,29 @@ def load_prompts(
         die(f"every prompt in {dataset_name!r} is empty or longer than --max_prompt_length {max_prompt_length} tokens")
     columns = {name: [ds[name][row] for row in kept] for name in ds.column_names if name != prompt_field}
     return queries, texts, refs, columns
+
+
+def prompt_ids(tokenizer, value, field):
+    """A prompt's (token ids, text): chat messages through the tokenizer's chat template with the generation prompt
+    (the text: the last message's), a string tokenized as it is."""
+    if isinstance(value, list):
+        if tokenizer.chat_template is None:
+            die(f"column {field!r} holds chat messages but the tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return ids, value[-1]["content"]
+    if isinstance(value, str):
+        return tokenizer(value, add_special_tokens=False)["input_ids"], value
+    die(f"column {field!r} must hold strings or chat messages, got {type(value).__name__}")
+
+
+def completion_ids(tokenizer, value, field, stop_token_id):
+    """A dataset completion's token ids as the policy would have sampled them: a string (or an assistant message's
+    content: TRL's prompt-completion format) tokenized as it is, then the stop token."""
+    if isinstance(value, list):  # [{"role": "assistant", "content": ...}]
+        value = "".join(m["content"] for m in value if m.get("role") == "assistant")
+    if not isinstance(value, str):
+        die(f"column {field!r} must hold strings or assistant messages, got {type(value).__name__}")
+    return tokenizer(value, add_special_tokens=False)["input_ids"] + ([stop_token_id] if stop_token_id is not None else [])
 
 
 def draw_prompts(data, args, k, process_index):
@@ -702,18 +717,18 @@ def load_reward_fn(spec, columns):
     return fn
 
 
-def load_reward_sources(args, tokenizer, columns, env=None):
-    """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given:
-    `sentiment`. Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or
-    "fn" + "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions
-    loaded, before any reward model loads."""
+def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment"):
+    """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given: `default` (None:
+    no source). Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or "fn" +
+    "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions loaded, before
+    any reward model loads."""
     reward_model_paths = args.reward_model_paths
     models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
     fns = []
     rewarded = reward_model_paths or (env is not None and env.rewarded)
     if env is not None:  # in an episode the functions may also read the whole conversation
         columns = {**columns, "messages": None}
-    for spec in list(args.reward_fn) or ([] if rewarded else ["sentiment"]):
+    for spec in list(args.reward_fn) or ([] if rewarded or default is None else [default]):
         fn = load_reward_fn(spec, columns)
         fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
     sources = models + fns
@@ -916,7 +931,7 @@ def get_scores(
         values = call_reward_fn(source["fn"], prompts, completions, columns)
         values = check_rewards(values, len(completions), f"function {source['name']}")
         rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
-    return torch.stack(rows)
+    return torch.stack(rows) if rows else torch.zeros((0, len(query_responses)), device=query_responses.device)
 
 
 def weighted_scores(per_source, sources):
@@ -1238,6 +1253,24 @@ class Batch:
     chunk: int  # the rows the rollout's forward passes take at a time
     group: int  # the rows that share a prompt in those chunks (utils.forward_grouped)
     conversations: Optional[list] = None  # --environment: each episode's messages, the prompt's first
+    columns: Optional[dict] = None  # the rows' other dataset columns {name: values}
+
+
+def teacher_view(run, batch, field):
+    """The batch as distill.py's teacher reads it: each row's prompt taken from the dataset column `field` (rendered as
+    the prompts are) before the same completions; the batch itself with field None."""
+    if field is None:
+        return batch
+    ids = [prompt_ids(run.tokenizer, value, field)[0] for value in batch.columns[field]]
+    queries, query_mask = (x.to(run.device) for x in left_pad(ids, run.tokenizer.pad_token_id))
+    completion_mask = batch.attention_mask[:, batch.context_length :]
+    return dataclasses.replace(
+        batch,
+        queries=queries,
+        context_length=queries.shape[1],
+        query_responses=torch.cat([queries, batch.responses], 1),
+        attention_mask=torch.cat([query_mask, completion_mask], 1),
+    )
 
 
 class Sampler:
@@ -1265,19 +1298,20 @@ class Sampler:
         model = self.run.accelerator.unwrap_model(self.policy)
         return getattr(model, "policy", model)
 
-    def sample(self):
+    def sample(self, completions=None):
         """This update's Batch, without gradients and in the training precision (autocast also covers the reward
-        models, which accelerate did not wrap)."""
+        models, which accelerate did not wrap). completions: a dataset column whose completions stand in for sampled
+        ones (distill.py's off-policy batches), scored as they would be."""
         run, args = self.run, self.args
         idx, uniforms, max_length, seeds = draw_prompts(run.data, args, self.k, run.accelerator.process_index)
-        if self.engine is not None:  # the engine samples with the policy's weights of now
+        if self.engine is not None and completions is None:  # the engine samples with the policy's weights of now
             vllm_sync(self.engine, self.unwrapped())
         stats = {}
         with torch.no_grad(), run.accelerator.autocast():
             if getattr(args, "dynamic_sampling", False):
                 rows, stats = self.sample_groups(idx, uniforms, seeds, max_length)
             else:
-                rows = self.sample_rows(idx, uniforms, seeds, max_length)
+                rows = self.sample_rows(idx, uniforms, seeds, max_length, completions)
             lengths = rows["lengths"]
             width = int(lengths.max())
             responses, policy = rows["responses"][:, :width], rows["policy"][:, :width]
@@ -1314,9 +1348,10 @@ class Sampler:
             chunk=self.chunk,
             group=self.group,
             conversations=rows["messages"],
+            columns=rows["columns"],
         )
 
-    def sample_rows(self, idx, uniforms, seeds, max_length):
+    def sample_rows(self, idx, uniforms, seeds, max_length, completions=None):
         """k completions (or episodes) of each of the prompts idx, scored: a dict of the rows' prompt token ids, texts,
         dataset columns, responses (rows, width) (with --environment the whole episodes), lengths, every source's
         scores (sources, rows), the engine's logprobs (or None), which tokens the policy sampled (rows, width), and with
@@ -1328,7 +1363,13 @@ class Sampler:
         info = messages = None
         if self.env is None:
             queries, query_mask = (x.to(run.device) for x in left_pad(ids, run.tokenizer.pad_token_id))
-            sampled, engine = self.complete(queries, query_mask, uniforms, seeds, max_length)
+            if completions is not None:  # the dataset's, cut at this update's most tokens
+                seqs = [completion_ids(run.tokenizer, v, completions, run.stop_token_id) for v in columns[completions]]
+                seqs = [torch.tensor(s[:max_length] or [run.tokenizer.pad_token_id]) for s in seqs]
+                sampled = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=run.tokenizer.pad_token_id)
+                sampled, engine = sampled.to(run.device), None
+            else:
+                sampled, engine = self.complete(queries, query_mask, uniforms, seeds, max_length)
             responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
             policy = torch.arange(responses.shape[1], device=run.device)[None, :] < lengths[:, None]
         else:
@@ -1704,18 +1745,18 @@ def load_eval(args, tokenizer, columns):
 
 
 def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, stop_token_id, batch_size, k=0,
-             temperature=1.0, seed=0, sampler=None):  # fmt: skip
-    """Completions of the held-out prompts scored by the reward sources (the weighted score, as in training): a greedy
-    one per prompt (eval/scores: with a 0/1 reward such as accuracy, pass@1), and with k > 0, k sampled at temperature
-    (eval/mean@k, the mean score of the samples; eval/pass@k, the mean over prompts of the best sample's score: with a
-    0/1 reward, the share of prompts some sample solved). As in training, a completion no source scored (each returned
-    None) has no score and is in no mean; eval/unscored (and eval/unscored@k) count them. The samples draw their noise
-    from a generator of their own seeded with `seed`, by prompt, so an evaluation is the same on any number of
-    processes and in a resumed run. With --environment (sampler.env) each completion is an episode (greedy or sampled
-    turns), its environment seeded by seed and the prompt. eval_set = load_eval's. Each process takes every
-    world_size-th prompt. Returns (metrics, samples) on the main process, (None, None) on the others; the samples
-    (prompt, reference, completion, score, ...) are what benchmark/judge_tldr.py judges. model: the policy as accelerate
-    prepared it (PPO's PolicyAndValue: its policy)."""
+             temperature=1.0, seed=0, sampler=None, measure=None):  # fmt: skip
+    """Completions of the held-out prompts scored by the reward sources (the weighted score, as in training): a greedy one per
+    prompt (eval/scores: with a 0/1 reward such as accuracy, pass@1), and with k > 0, k sampled at temperature (eval/mean@k,
+    the mean score of the samples; eval/pass@k, the mean over prompts of the best sample's score: with a 0/1 reward, the share
+    of prompts some sample solved). As in training, a completion no source scored (each returned None) has no score and is in
+    no mean; eval/unscored (and eval/unscored@k) count them. The samples draw their noise from a generator of their own seeded
+    with `seed`, by prompt, so an evaluation is the same on any number of processes and in a resumed run. measure(batch) ->
+    {name: (rows,)}: more metrics of each greedy completion (a Batch of them), eval/<name> their mean (distill.py's KL to the
+    teacher). With --environment (sampler.env) each completion is an episode (greedy or sampled turns), its environment seeded
+    by seed and the prompt. eval_set = load_eval's. Each process takes every world_size-th prompt. Returns (metrics, samples)
+    on the main process, (None, None) on the others; the samples (prompt, reference, completion, score, ...) are what
+    benchmark/judge_tldr.py judges. model: the policy as accelerate prepared it (PPO's PolicyAndValue: its policy)."""
     policy = accelerator.unwrap_model(model)
     policy = getattr(policy, "policy", policy)
     queries, texts, references, columns, raw = eval_set
@@ -1736,14 +1777,15 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
         rollout's sampling and scoring."""
         prompts = [texts[i] for i in idx for _ in range(repeat)]
         rows = {name: [values[i] for i in idx for _ in range(repeat)] for name, values in columns.items()}
+        measured = {}
         if env is not None:
             completions, lengths, per_source, stopped = play(idx, repeat, noise, prompts, rows)
         else:
-            completions, lengths, per_source, stopped = complete_once(idx, repeat, noise, prompts, rows)
+            completions, lengths, per_source, stopped, measured = complete_once(idx, repeat, noise, prompts, rows)
         scores, scored = weighted_scores(per_source, sources)
         scores = scores.masked_fill(~scored, math.nan).tolist()  # NaN: no source scored it
         scores = [None if math.isnan(x) else x for x in scores]
-        return completions, per_source, scores, lengths, stopped
+        return completions, per_source, scores, lengths, stopped, measured
 
     def play(idx, repeat, noise, prompts, rows):
         """--environment: an episode per row (no engine, as below); the completion is its conversation"""
@@ -1793,16 +1835,27 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             chunk=len(query),
         )
         stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
-        return [c.strip() for c in tokenizer.batch_decode(response, skip_special_tokens=True)], lengths, per_source, stopped
+        measured = {}
+        if measure is not None and noise is None:
+            real = torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]
+            measured = measure(Batch(
+                texts=prompts, queries=query, context_length=query.shape[1], responses=response, lengths=lengths,
+                padding_mask=~real, query_responses=torch.cat([query, response], 1),
+                attention_mask=torch.cat([query_mask, real.long()], 1), per_source=per_source, scores=None, raw_scores=None,
+                scored=None, contain_eos=stopped, engine_logprobs=None, max_length=response_length, stats={},
+                chunk=len(query), group=1, columns=rows,
+            ))  # fmt: skip
+        completions = [c.strip() for c in tokenizer.batch_decode(response, skip_special_tokens=True)]
+        return completions, lengths, per_source, stopped, measured
 
     samples = []
     with torch.no_grad(), accelerator.autocast():  # the precision the policy trains in
         for start in range(0, len(mine), batch_size):
             idx = mine[start : start + batch_size]
-            completions, per_source, scores, lengths, stopped = complete(idx, 1, None)
+            completions, per_source, scores, lengths, stopped, measured = complete(idx, 1, None)
             if k:  # (prompts * k, ...): row j * k + i is prompt j's i-th sample
                 noise = uniforms[idx].reshape(-1, width).to(device)
-                sampled, _, sampled_scores, _, _ = complete(idx, k, noise)
+                sampled, _, sampled_scores, _, _, _ = complete(idx, k, noise)
             for j, i in enumerate(idx[: max(0, real - start)]):
                 sample = {
                     "index": i,
@@ -1813,6 +1866,8 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
                     "length": lengths[j].item(),
                     "stopped": bool(stopped[j]),
                 }
+                if measured:
+                    sample["measures"] = {name: values[j].item() for name, values in measured.items()}
                 if len(sources) > 1:
                     sample["rewards"] = {s["name"]: per_source[n, j].item() for n, s in enumerate(sources)}
                 if k:
@@ -1827,12 +1882,11 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
     n = len(samples)
     mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
     scored = [s["score"] for s in samples if s["score"] is not None]  # a completion no source scored is in no mean
-    metrics = {
-        "eval/scores": mean(scored),
-        "eval/unscored": n - len(scored),
-        "eval/response_length": sum(s["length"] for s in samples) / n,
-        "eval/stopped_fraction": sum(s["stopped"] for s in samples) / n,
-    }
+    metrics = {"eval/scores": mean(scored), "eval/unscored": n - len(scored)} if sources else {}  # (distill.py: none)
+    metrics["eval/response_length"] = sum(s["length"] for s in samples) / n
+    metrics["eval/stopped_fraction"] = sum(s["stopped"] for s in samples) / n
+    for name in samples[0].get("measures", {}):
+        metrics[f"eval/{name}"] = mean([s["measures"][name] for s in samples])
     if len(sources) > 1:  # each source's mean over the greedy completions it scored
         for s in sources:
             values = [x["rewards"][s["name"]] for x in samples if not math.isnan(x["rewards"][s["name"]])]
@@ -2145,8 +2199,8 @@ class Run:
         self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
         self.device = accelerator.device
         self.episode, self.update, self.start_update, self.last_checkpoint, self.lr = 0, 0, 1, None, args.learning_rate
-        self.model = self.ema = self.sampler = self.writer = None
-        self.ptx_losses = []
+        self.model = self.ema = self.sampler = self.writer = self.measure = None
+        self.ptx_losses, self.default_reward = [], "sentiment"
 
     def load_data(self):
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
@@ -2176,7 +2230,7 @@ class Run:
             if self.env.tools and isinstance(self.prompts[0], str):
                 die(f"{self.env.name}'s tools reach the model through the chat template: the prompts must be chat messages")
         self.eval_set = load_eval(args, self.tokenizer, self.columns)
-        self.sources = load_reward_sources(args, self.tokenizer, columns=self.columns, env=self.env)
+        self.sources = load_reward_sources(args, self.tokenizer, self.columns, env=self.env, default=self.default_reward)
         self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
         # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
         # own slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own,
@@ -2277,7 +2331,8 @@ class Run:
         row.update(reduce_stats(accelerator, stats))
         row["val/num_eos_tokens"] = accelerator.reduce(batch.contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
-        row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=batch.raw_scores, scored=batch.scored))
+        if self.sources:
+            row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=batch.raw_scores, scored=batch.scored))
         if args.use_score_scaling:  # the running moments this update's scores were scaled with
             row["objective/score_mean_running"] = self.sampler.moments.mean
             row["objective/score_std_running"] = self.sampler.moments.std()
@@ -2334,6 +2389,7 @@ class Run:
             temperature=args.temperature,
             seed=args.seed + self.episode,  # the same samples in a resumed run
             sampler=self.sampler,
+            measure=self.measure,
         )
         if self.accelerator.is_main_process:
             record_eval(args.output_dir, episode=self.episode, metrics=metrics, samples=samples, writer=self.writer)
@@ -2367,9 +2423,9 @@ class Run:
             )
 
 
-def start(args, k_flag=None):
+def start(args, k_flag=None, default_reward="sentiment"):
     """The run: the processes (accelerate), the batch sizes (into args; getattr(args, k_flag) completions per prompt,
-    1 without), the checks that
+    1 without; default_reward: the reward source without --reward_fn or --reward_model_path, None: none), the checks that
     need them, a random stream of its own on each process (its mini-batch shuffles; the prompts and the sampling noise
     come from a generator every process shares, Shuffled), output_dir (a --resume that would change the run is refused),
     then the tokenizer, the prompts, the reward sources, the held-out set and the PTX texts."""
@@ -2412,21 +2468,36 @@ def start(args, k_flag=None):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    return Run(args, accelerator, open_output_dir(args), k)  # (nothing loaded yet: the script checks its flags first)
+    run = Run(args, accelerator, open_output_dir(args), k)  # (nothing loaded yet: the script checks its flags first)
+    run.default_reward = default_reward
+    return run
 
 
 def load_policy(run, reference=True):
     """The run's data (Run.load_data), then the policy (--model_name_or_path; with --use_peft its LoRA adapters), the
     frozen reference (the initial policy; none with reference False, or with LoRA: the policy with its adapters
-    switched off) and the AdamW optimiser, prepared by accelerate; the reward models and the reference on the device
-    (under ZeRO-3 sharded over the processes, the reference loaded anew); the EMA of --ema_beta. Returns (policy,
-    ref_policy or None, optimizer)."""
+    switched off; reference a model's name: that model, distill.py's teacher, whose vocabulary must be the policy's)
+    and the AdamW optimiser, prepared by accelerate; the reward models and the reference on the device (under ZeRO-3
+    sharded over the processes, the reference loaded anew); the EMA of --ema_beta. Returns (policy, ref_policy or
+    None, optimizer)."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
+    teacher = reference if isinstance(reference, str) else None
+    if teacher is not None:  # the logits of both must mean the same tokens: checked before either model loads
+        names = (args.model_name_or_path, teacher)
+        widths = [load_pretrained(AutoConfig, n, args.trust_remote_code).get_text_config().vocab_size for n in names]
+        if not same_vocabulary(run.tokenizer, load_tokenizer(teacher, args.trust_remote_code)) or widths[0] != widths[1]:
+            die(
+                f"the teacher {teacher!r} and the student {args.model_name_or_path!r} have different vocabularies (logits"
+                f" {widths[1]} and {widths[0]} wide): distillation compares their distributions token by token"
+            )
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     check_model(policy)  # a family the scripts cannot run stops here, with one line
     ref_policy = None
-    if reference and not args.use_peft:  # (under ZeRO-3 the weights are sharded as they load: loaded anew)
+    if teacher is not None:
+        ref_policy = load_pretrained(AutoModelForCausalLM, teacher, args.trust_remote_code).eval().requires_grad_(False)
+        check_model(ref_policy)
+    elif reference and not args.use_peft:  # (under ZeRO-3 the weights are sharded as they load: loaded anew)
         ref_policy = (
             load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
             if zero3(accelerator)

@@ -21,7 +21,7 @@ import sys
 import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["rloo.py", "grpo.py", "ppo.py", "rloo_tldr.py", "ppo_tldr.py"]
+SCRIPTS = ["rloo.py", "grpo.py", "ppo.py", "rloo_tldr.py", "ppo_tldr.py", "distill.py"]
 MARK = re.compile(r"^# Copied from (\w+)\.([\w.]+)(?: with (.*))?$")
 
 
@@ -121,9 +121,9 @@ def test_no_unmarked_copy_of_20_lines():
 
 def test_each_tldr_script_copies_its_base_and_at_most_five_functions():
     """A TL;DR script copies its base's flags (a class) and main, with at most five functions in all; the base
-    scripts copy nothing."""
+    scripts (and distill.py) copy nothing."""
     named = {script: [name for _, name, *_ in copies(REPO, script)] for script in SCRIPTS}
-    assert named["rloo.py"] == named["grpo.py"] == named["ppo.py"] == []
+    assert named["rloo.py"] == named["grpo.py"] == named["ppo.py"] == named["distill.py"] == []
     assert named["rloo_tldr.py"] == ["RLOOArgs", "rloo_advantages", "main"]
     assert named["ppo_tldr.py"][0] == "PPOArgs" and "main" in named["ppo_tldr.py"] and len(named["ppo_tldr.py"]) - 1 <= 5
 

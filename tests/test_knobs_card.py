@@ -233,11 +233,11 @@ for argv in json.loads(sys.argv[1]):
 
 
 def test_every_script_checks_the_hub_flags_before_loading(tmp_path):
-    """All five scripts, in one interpreter: --push_to_hub without --hub_model_id stops with its line right after
+    """All six scripts, in one interpreter: --push_to_hub without --hub_model_id stops with its line right after
     parsing, before the (missing) model is looked for."""
     (tmp_path / "run_all.py").write_text(RUN_ALL)
     argvs = []
-    for script in ["rloo.py", "ppo.py", "grpo.py", "rloo_tldr.py", "ppo_tldr.py"]:
+    for script in ["rloo.py", "ppo.py", "grpo.py", "rloo_tldr.py", "ppo_tldr.py", "distill.py"]:
         model = "--sft_model_path" if "tldr" in script else "--model_name_or_path"
         flags = f"{model} {tmp_path}/missing --gradient_accumulation_steps 1 --push_to_hub --output_dir {tmp_path}/{script}"
         argvs.append([os.path.join(REPO, script), *flags.split()])
@@ -246,5 +246,5 @@ def test_every_script_checks_the_hub_flags_before_loading(tmp_path):
     )
     check_ok(proc)
     exits = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("EXIT ")]
-    assert exits == ["error: --push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)"] * 5
+    assert exits == ["error: --push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)"] * 6
     assert not any(os.path.exists(tmp_path / script) for script in ["rloo.py", "ppo.py", "grpo.py"])

@@ -447,3 +447,39 @@ def test_episodes_with_vllm_weigh_the_policys_tokens_only(script, run, tmp_path,
     (row,) = read_metrics(out)
     assert row["env/turns"] == 2 and 0.2 < row["env/policy_token_fraction"] < 0.8
     assert row["vllm/logprob_diff_max"] < 1e-3, row
+
+
+@needs_vllm
+def test_distillation_with_vllm(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """distill.py with the engine sampling: the sampled form's loss weighed by the truncated importance weights (a
+    cap below every ratio scales it by the cap), and --lmbda 0.5 with the JSD, whose dataset batches skip the engine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(4.0)
+    teacher.save_pretrained(tmp_path / "teacher")
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(tmp_path / "teacher")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(line[:-2] + ', "completion": " one two"}\n' for line in open(tiny_prompts_file)))
+    base = (
+        f"distill.py {EAGER} --model_name_or_path {tiny_llama_dir} --teacher_model_name_or_path {tmp_path / 'teacher'}"
+        f" --dataset_name {data} --num_sample_generations 0 --response_length 12 --per_device_train_batch_size 16"
+        " --gradient_accumulation_steps 1"
+        " --no_save_model"
+    )
+    losses = {}
+    for cap in (3.0, 1e-9):
+        out = tmp_path / f"sampled{cap}"
+        check_ok(run(f"{base} --loss sampled --total_episodes 16 --vllm_importance_sampling_cap {cap} --output_dir {out}",
+                     cwd=tmp_path))  # fmt: skip
+        (row,) = read_metrics(out)
+        assert row["vllm/logprob_diff_max"] < 1e-3 and row["vllm/capped_fraction"] == (1.0 if cap < 1 else 0.0)
+        losses[cap] = row["distill/loss"]
+    assert losses[1e-9] == pytest.approx(losses[3.0] * 1e-9, rel=1e-3, abs=1e-15) and losses[3.0] != 0
+    out = tmp_path / "mixed"
+    check_ok(run(f"{base} --lmbda 0.5 --total_episodes 96 --output_dir {out}", cwd=tmp_path))
+    rows = read_metrics(out)
+    assert {r["distill/on_policy"] for r in rows} == {0.0, 1.0}
+    assert all(("vllm/logprob_diff_max" in r) == (r["distill/on_policy"] == 1.0) for r in rows)
+    assert all(math.isfinite(r["objective/reverse_kl"]) for r in rows)
