@@ -52,9 +52,9 @@ def command(task, model, seed, updates, eval_every, run_dir):
     return cmd + (["--eval_every", str(eval_every)] if task == "calculator" else [])
 
 
-def band(ax, x, runs, label):
+def band(ax, x, runs, label, **kwargs):
     ys = np.array(runs)
-    line = ax.plot(x, ys.mean(0), label=label)[0]
+    line = ax.plot(x, ys.mean(0), label=label, **kwargs)[0]
     ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
 
 
@@ -124,8 +124,8 @@ if __name__ == "__main__":
     table = f"| seeds {' '.join(map(str, args.seeds))}, mean (lowest to highest) | " + " | ".join(results) + " |\n"
     table += "| --- |" + " --- |" * len(results) + "\n"
     for label, key, digits in [
-        ("the environment's reward, first 4 updates", "reward_first4", 3),
-        ("the environment's reward, last 4 updates", "reward_last4", 3),
+        ("reward per episode (usersim: the environment's; calculator: accuracy), first 4 updates", "reward_first4", 3),
+        ("reward per episode, last 4 updates", "reward_last4", 3),
         ("model turns per episode, first 4 updates", "turns_first4", 2),
         ("model turns per episode, last 4 updates", "turns_last4", 2),
         ("episodes cut off, last 4 updates", "cut_off_last4", 3),
@@ -158,7 +158,13 @@ if __name__ == "__main__":
                 [r for r in read(os.path.join(args.out, task, f"seed{s}", "metrics.jsonl")) if "eval/scores" in r]
                 for s in args.seeds
             ]
-            band(axes[1], [r["episode"] for r in runs[0]], [[r["eval/scores"] for r in rs] for rs in runs], "calculator")
+            band(
+                axes[1],
+                [r["episode"] for r in runs[0]],
+                [[r["eval/scores"] for r in rs] for rs in runs],
+                "calculator",
+                marker="o",
+            )
     axes[0].set_ylabel("reward per episode (training batch)")
     axes[1].set_ylabel("held-out pass@1 (greedy episodes, 200 sums)")
     axes[2].set_ylabel("per episode")
