@@ -104,23 +104,6 @@ def sampled_token_loss(logprobs, teacher_logprobs):
     return -advantages * logprobs
 
 
-@torch.no_grad()
-def teacher_kl(student, teacher, batch, teacher_batch, temperature):
-    """The exact KL(student || teacher) at each completion token (rows, width), 0 on padding: utils.full_kl over the
-    whole vocabulary, chunk by chunk, the teacher reading teacher_batch (the same completions after its prompts)."""
-    kls = []
-    chunks = zip(utils.rollout_chunks(batch, batch.chunk), utils.rollout_chunks(teacher_batch, batch.chunk))
-    for (_, query_response, mask, response), (_, teacher_query_response, teacher_mask, _) in chunks:
-        width = response.shape[1] + 1
-        logits = utils.forward_grouped(student, query_response, mask, batch.context_length, batch.group, width)[:, :-1]
-        teacher_logits = utils.forward_grouped(
-            teacher, teacher_query_response, teacher_mask, teacher_batch.context_length, batch.group, width
-        )[:, :-1]
-        kls.append(utils.full_kl(logits, teacher_logits, temperature))
-        del logits, teacher_logits
-    return utils.pad_cat(kls, 0.0).masked_fill(batch.padding_mask, 0.0)
-
-
 def main(args):
     if args.teacher_model_name_or_path is None:
         utils.die("distillation needs a teacher: set --teacher_model_name_or_path")
@@ -143,7 +126,7 @@ def main(args):
 
     def held_out_kl(batch):  # eval/kl_teacher: each greedy held-out completion's mean KL(student || teacher) per token
         view = infra.teacher_view(run, batch, args.teacher_prompt_field)
-        kl = teacher_kl(accelerator.unwrap_model(student), teacher, batch, view, args.temperature)
+        kl = utils.rollout_full_kl(accelerator.unwrap_model(student), teacher, batch, args.temperature, ref_batch=view)
         return {"kl_teacher": kl.sum(1) / batch.lengths.clamp(min=1)}
 
     run.measure = held_out_kl
@@ -210,8 +193,11 @@ def main(args):
                             mb_teacher_logprobs = utils.logprobs_from_logits(
                                 teacher_logits, batch.responses[micro], args.temperature
                             )
-                            reverse_kl = utils.full_kl(logits, teacher_logits, args.temperature)
                         per_token_loss = generalized_jsd(logits, teacher_logits, args.beta, args.temperature)
+                        # the exact reverse KL, a metric: at beta 1 the loss itself
+                        reverse_kl = per_token_loss.detach()
+                        if args.beta != 1.0:
+                            reverse_kl = utils.full_kl(logits, teacher_logits, args.temperature)
                         del teacher_logits
                     else:
                         mb_teacher_logprobs = teacher_logprobs[micro]

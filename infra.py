@@ -2195,12 +2195,12 @@ class Run:
     sources, the held-out set and the PTX texts; updates() resumes a run and counts the updates; log(),
     evaluate_and_checkpoint() and finish() write everything."""
 
-    def __init__(self, args, accelerator, run_name, k):
+    def __init__(self, args, accelerator, run_name, k, default_reward="sentiment"):
         self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
         self.device = accelerator.device
         self.episode, self.update, self.start_update, self.last_checkpoint, self.lr = 0, 0, 1, None, args.learning_rate
         self.model = self.ema = self.sampler = self.writer = self.measure = None
-        self.ptx_losses, self.default_reward = [], "sentiment"
+        self.ptx_losses, self.default_reward = [], default_reward
 
     def load_data(self):
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
@@ -2468,9 +2468,8 @@ def start(args, k_flag=None, default_reward="sentiment"):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    run = Run(args, accelerator, open_output_dir(args), k)  # (nothing loaded yet: the script checks its flags first)
-    run.default_reward = default_reward
-    return run
+    # (nothing loaded yet: the script checks its flags first)
+    return Run(args, accelerator, open_output_dir(args), k, default_reward)
 
 
 def load_policy(run, reference=True):

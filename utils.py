@@ -449,15 +449,16 @@ def rollout_logprobs(model, batch, temperature):
 
 
 @torch.no_grad()
-def rollout_full_kl(policy, ref_policy, batch, temperature):
-    """The exact KL(policy || reference) at every completion token of the batch (full_kl; 0 on padding), from both
-    models' logits, chunk by chunk. ref_policy None: the policy with its LoRA adapters switched off."""
-    kls = []
-    for rows, query_response, mask, response in rollout_chunks(batch, batch.chunk):
+def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
+    """The exact KL(policy || reference) at every completion token of the batch (full_kl; 0 on padding), chunk by chunk.
+    ref_policy None: the policy without its LoRA adapters; ref_batch: the batch as the reference reads it (None: batch)."""
+    kls, ref_batch = [], ref_batch or batch
+    chunks = zip(rollout_chunks(batch, batch.chunk), rollout_chunks(ref_batch, batch.chunk))
+    for (_, query_response, mask, response), (_, ref_query, ref_mask, _) in chunks:
         width = response.shape[1] + 1
         logits = forward_grouped(policy, query_response, mask, batch.context_length, batch.group, width)[:, :-1]
         with reference_model(policy, ref_policy) as ref:
-            ref_logits = forward_grouped(ref, query_response, mask, batch.context_length, batch.group, width)[:, :-1]
+            ref_logits = forward_grouped(ref, ref_query, ref_mask, ref_batch.context_length, batch.group, width)[:, :-1]
         kls.append(full_kl(logits, ref_logits, temperature))
         del logits, ref_logits
     return pad_cat(kls, 0.0).masked_fill(batch.padding_mask, 0.0)
