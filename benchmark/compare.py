@@ -18,11 +18,13 @@ OUT/results.md and OUT/curves.png (reward, KL and episodes/s against episodes)."
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,6 +81,19 @@ def matmul_peak(seconds=3.0, n=1024):
 def read(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def spread(values, digits=3):
+    """A table cell: the mean over seeds, then the lowest to the highest."""
+    return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} to {max(values):.{digits}f})"
+
+
+def band(ax, x, ys, label, **kwargs):
+    """A curve over seeds: the mean of ys (seeds, points) against x, and a band from the lowest to the highest."""
+    ys = np.asarray(ys)
+    line = ax.plot(x, ys.mean(0), label=label, **kwargs)[0]
+    ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+    return line
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
-from compare import read, run  # noqa: E402
+from compare import band, read, run  # noqa: E402
 
 TASKS = {
     "sentiment": ("data/prompts.jsonl", "sentiment", 0.5),
@@ -263,8 +263,7 @@ if __name__ == "__main__":
                 grid = np.linspace(min(rs[0][x_index] for rs in runs), end, 50) if x_index else [r[0] for r in runs[0]]
                 ys = np.array([np.interp(grid, [r[x_index] for r in rs], smooth([r[column] for r in rs], args.smooth))
                                for rs in runs])  # fmt: skip
-                line = ax.plot(grid, ys.mean(0), label=names.get(system, system))[0]
-                ax.fill_between(grid, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+                band(ax, grid, ys, names.get(system, system))
                 ax.set_title(title)
                 ax.set_xlabel(x_label)
                 ax.legend()

@@ -19,15 +19,12 @@ with a band from the lowest to the highest)."""
 import argparse
 import json
 import os
-import statistics
 import sys
-
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from compare import read, run  # noqa: E402
+from compare import band, read, run, spread  # noqa: E402
 
 DATA = os.path.join(REPO, "examples", "distill")
 
@@ -104,9 +101,6 @@ if __name__ == "__main__":
         setting = {"seeds": args.seeds, "updates": args.updates, "completions_per_update": 16, "eval_every": args.eval_every}
         json.dump({"setting": setting, "results": results}, f, indent=1)
 
-    def cell(values, digits=3):
-        return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} to {max(values):.{digits}f})"
-
     table = f"| held out (64 prompts, greedy), seeds {' '.join(map(str, args.seeds))} | " + " | ".join(results) + " |\n"
     table += "| --- |" + " --- |" * len(results) + "\n"
     table += "| the teacher's sentiment | " + " | ".join(f"{r['teacher_sentiment']:.3f}" for r in results.values()) + " |\n"
@@ -118,7 +112,7 @@ if __name__ == "__main__":
         ("episodes/s", "episodes_per_s", 2),
     ]:
         table += (
-            f"| {label}, mean (lowest to highest) | " + " | ".join(cell(r[key], digits) for r in results.values()) + " |\n"
+            f"| {label}, mean (lowest to highest) | " + " | ".join(spread(r[key], digits) for r in results.values()) + " |\n"
         )
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
@@ -133,9 +127,7 @@ if __name__ == "__main__":
     for task, runs in curves.items():
         x = [r["episode"] for r in runs[args.seeds[0]]]
         for ax, key in zip(axes, ["eval/scores", "eval/kl_teacher"]):
-            ys = np.array([[r[key] for r in rs] for rs in runs.values()])
-            line = ax.plot(x, ys.mean(0), marker="o", label=task)[0]
-            ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+            line = band(ax, x, [[r[key] for r in rs] for rs in runs.values()], task, marker="o")
             if key == "eval/scores":
                 ax.axhline(
                     results[task]["teacher_sentiment"], color=line.get_color(), linestyle="--", label=f"{task}: teacher"

@@ -24,12 +24,10 @@ import os
 import statistics
 import sys
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from compare import read, run  # noqa: E402
+from compare import band, read, run, spread  # noqa: E402
 
 K, PROMPTS = 4, 4  # episodes per prompt, prompts per update
 ENVS = os.path.join(REPO, "examples", "environments")
@@ -50,12 +48,6 @@ def command(task, model, seed, updates, eval_every, run_dir):
     cmd += ["--total_episodes", str(updates * K * PROMPTS), "--seed", str(seed)]
     cmd += ["--num_sample_generations", "0", "--no_save_model", "--output_dir", run_dir]
     return cmd + (["--eval_every", str(eval_every)] if task == "calculator" else [])
-
-
-def band(ax, x, runs, label, **kwargs):
-    ys = np.array(runs)
-    line = ax.plot(x, ys.mean(0), label=label, **kwargs)[0]
-    ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
 
 
 if __name__ == "__main__":
@@ -118,9 +110,6 @@ if __name__ == "__main__":
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"setting": setting, "results": results}, f, indent=1)
 
-    def cell(values, digits=3):
-        return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} to {max(values):.{digits}f})"
-
     table = f"| seeds {' '.join(map(str, args.seeds))}, mean (lowest to highest) | " + " | ".join(results) + " |\n"
     table += "| --- |" + " --- |" * len(results) + "\n"
     for label, key, digits in [
@@ -134,7 +123,7 @@ if __name__ == "__main__":
         ("held-out pass@1 at the end", "pass1_after", 3),
         ("episodes/s", "episodes_per_s", 2),
     ]:
-        cells = [cell(r[key], digits) if key in r else "" for r in results.values()]
+        cells = [spread(r[key], digits) if key in r else "" for r in results.values()]
         table += f"| {label} | " + " | ".join(cells) + " |\n"
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)

@@ -31,7 +31,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from compare import read, run  # noqa: E402
+from compare import band, read, run, spread  # noqa: E402
 
 VARIANTS = {
     "grpo": [],
@@ -108,9 +108,6 @@ if __name__ == "__main__":
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"setting": setting, "variants": results}, f, indent=1)
 
-    def cell(values, digits=3):
-        return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} to {max(values):.{digits}f})"
-
     table = f"| arithmetic, held out, seeds {' '.join(map(str, args.seeds))} | " + " | ".join(results) + " |\n"
     table += "| --- |" + " --- |" * len(results) + "\n"
     for label, key, digits in [
@@ -121,7 +118,7 @@ if __name__ == "__main__":
         ("episodes/s", "episodes_per_s", 2),
         ("generation rounds per update", "rounds_per_update", 2),
     ]:
-        table += f"| {label}, mean (lowest to highest) | " + " | ".join(cell(r[key], digits) for r in results.values())
+        table += f"| {label}, mean (lowest to highest) | " + " | ".join(spread(r[key], digits) for r in results.values())
         table += " |\n"
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
@@ -139,8 +136,7 @@ if __name__ == "__main__":
             # every seed on one grid: the episodes are shared; the seconds differ, so interpolate up to the shortest
             grid = [r[0] for r in runs[0]] if x == 0 else np.linspace(0, min(rs[-1][1] for rs in runs), 50)
             ys = np.array([np.interp(grid, [r[x] for r in rs], [r[2] for r in rs]) for rs in runs])
-            line = ax.plot(grid, ys.mean(0), marker="o" if x == 0 else None, label=variant)[0]
-            ax.fill_between(grid, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+            band(ax, grid, ys, variant, marker="o" if x == 0 else None)
             ax.set_xlabel(label)
             ax.set_ylabel("held-out pass@1 (greedy accuracy, 200 sums)")
             ax.legend()
