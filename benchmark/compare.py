@@ -88,6 +88,28 @@ def spread(values, digits=3):
     return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} to {max(values):.{digits}f})"
 
 
+def gradient_report(g_ours, g_trl, parts=("",)):
+    """Prints how far apart two gradients {parameter name: tensor} are: for each prefix in parts ("" all of them) both
+    norms, the relative difference and the cosine, then the five parameters that differ most, relatively."""
+    assert set(g_trl) == set(g_ours), set(g_trl) ^ set(g_ours)
+    for part in parts:
+        names = [n for n in g_trl if n.startswith(part)]
+        fo = torch.cat([g_ours[n].flatten() for n in names]).double()
+        ft = torch.cat([g_trl[n].flatten() for n in names]).double()
+        print(
+            f"{(part[:-1] or 'all') + ' gradient':16s} norm ours {fo.norm().item():.6e} TRL {ft.norm().item():.6e} ratio "
+            f"{(fo.norm() / ft.norm()).item():.6f} | relative difference ||g_ours - g_trl|| / ||g_trl|| "
+            f"{((fo - ft).norm() / ft.norm()).item():.3e} | cosine {torch.cosine_similarity(fo, ft, dim=0).item():.8f}"
+        )
+    rel = sorted(
+        ((((g_ours[n] - g_trl[n]).double().norm() / g_trl[n].double().norm().clamp(min=1e-30)).item(), n) for n in g_trl),
+        reverse=True,
+    )
+    print("largest per-parameter relative differences:")
+    for r, n in rel[:5]:
+        print(f"  {r:.3e}  {n}  (|g_trl| {g_trl[n].norm().item():.3e})")
+
+
 def band(ax, x, ys, label, **kwargs):
     """A curve over seeds: the mean of ys (seeds, points) against x, and a band from the lowest to the highest."""
     ys = np.asarray(ys)

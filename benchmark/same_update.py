@@ -22,6 +22,7 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disab
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
+from compare import gradient_report  # noqa: E402  (benchmark/compare.py)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from grpo import aggregate_loss, group_advantages  # noqa: E402  (grpo.py's own functions; its main is guarded)
@@ -248,17 +249,4 @@ print(f"tokens in the loss: {int(real.sum())} over {len(responses)} completions;
 print(f"per-token logprobs |ours - TRL|, real tokens: max {lp_diff.max().item():.3e}, mean {lp_diff.mean().item():.3e}")
 print(f"losses (as backpropagated, per micro-batch): ours {[f'{x:.6e}' for x in our_losses]} sum {sum(our_losses):.6e}")
 print(f"                                             TRL  {[f'{x:.6e}' for x in trl_losses]} sum {sum(trl_losses):.6e}")
-names = [n for n in g_trl]
-assert set(names) == set(g_ours), set(names) ^ set(g_ours)
-fo = torch.cat([g_ours[n].flatten() for n in names]).double()
-ft = torch.cat([g_trl[n].flatten() for n in names]).double()
-print(f"global grad norm: ours {fo.norm().item():.6e}, TRL {ft.norm().item():.6e}, ratio {(fo.norm() / ft.norm()).item():.6f}")
-print(f"cosine similarity: {torch.nn.functional.cosine_similarity(fo, ft, dim=0).item():.8f}")
-print(f"relative difference ||g_ours - g_trl|| / ||g_trl||: {((fo - ft).norm() / ft.norm()).item():.3e}")
-rel = sorted(
-    ((((g_ours[n] - g_trl[n]).double().norm() / g_trl[n].double().norm().clamp(min=1e-30)).item(), n) for n in names),
-    reverse=True,
-)
-print("largest per-parameter relative differences:")
-for r, n in rel[:5]:
-    print(f"  {r:.3e}  {n}  (|g_trl| {g_trl[n].norm().item():.3e})")
+gradient_report(g_ours, g_trl)

@@ -86,6 +86,7 @@ CLIP, CLIP_V, VF_COEF, GAMMA, LAM, LR = 0.2, 0.2, 0.1, 1.0, 0.95, 5e-5
 log = print
 
 import torch  # noqa: E402
+from compare import gradient_report  # noqa: E402  (benchmark/compare.py)
 
 
 def trl_side():
@@ -394,15 +395,4 @@ for (inds, *o), (inds_t, *t) in zip(our_losses, trl["losses"]):
     print(f"micro-batch {inds}: pg_loss ours {o[0]:.7e} TRL {t[0]:.7e} | vf_loss ours {o[1]:.7e} TRL {t[1]:.7e} | "
           f"clipfrac pg {o[2]:.4f} {t[2]:.4f}, vf {o[3]:.4f} {t[3]:.4f}")  # fmt: skip
 g_trl = {n.replace("value_model.", "critic.", 1): g for n, g in trl["grads"].items()}
-assert set(g_trl) == set(g_ours), set(g_trl) ^ set(g_ours)
-for part in ("policy.", "critic.", ""):
-    names = [n for n in g_trl if n.startswith(part)]
-    fo = torch.cat([g_ours[n].flatten() for n in names]).double()
-    ft = torch.cat([g_trl[n].flatten() for n in names]).double()
-    print(f"{(part[:-1] or 'all') + ' gradient':16s} norm ours {fo.norm().item():.6e} TRL {ft.norm().item():.6e} ratio "
-          f"{(fo.norm() / ft.norm()).item():.6f} | rel diff {((fo - ft).norm() / ft.norm()).item():.3e} | cosine "
-          f"{torch.nn.functional.cosine_similarity(fo, ft, dim=0).item():.8f}")  # fmt: skip
-rel = sorted(((((g_ours[n] - g_trl[n]).double().norm() / g_trl[n].double().norm()).item(), n) for n in g_trl), reverse=True)
-print("largest per-parameter relative differences:")
-for r, n in rel[:5]:
-    print(f"  {r:.3e}  {n}  (|g_trl| {g_trl[n].norm().item():.3e})")
+gradient_report(g_ours, g_trl, parts=("policy.", "critic.", ""))

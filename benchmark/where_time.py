@@ -3,13 +3,15 @@ timers around the same kinds of work, and writes the seconds per update by phase
 
     python benchmark/where_time.py OUT.json rloo.py --rloo_k 4 ...            # any of our scripts, with its flags
     python benchmark/where_time.py OUT.json benchmark/trl_real.py rloo DIR ...  # the peer, with its flags
+    python benchmark/where_time.py OUT.json benchmark/distill_trl.py --side trl_run ...  # TRL's DistillationTrainer
 
 Phases (the outermost timed call counts; nothing is counted twice):
 - generation: our utils.generate (or with --use_vllm the engine's, infra.vllm_generate), transformers' generate() for
   TRL; weight sync: infra.vllm_sync, the policy's weights into the engine (--use_vllm);
 - logprob passes: forward passes and logprob arithmetic without gradient outside generation (the rollout's policy
-  and reference passes; ppo.py's critic): our utils.forward_grouped, logprobs_from_logits and scalar_forward, TRL's
-  _get_per_token_logps_and_entropies;
+  and reference passes; ppo.py's critic; distill.py's teacher): our utils.forward_grouped, logprobs_from_logits and
+  scalar_forward, TRL's _get_per_token_logps_and_entropies (DistillationTrainer: _get_last_hidden_state, the
+  backbones; its lm_head projections, inside its divergence, fall in the rest, as distill.py's JSD does);
 - training forward: the same functions with gradient;
 - backward: torch.autograd.backward; optimiser step: AdamW.step;
 - the rest: rewards, advantages, data, logging, gradient clipping.
@@ -63,11 +65,13 @@ torch.autograd.backward = timed(torch.autograd.backward, "backward")
 torch.optim.AdamW.step = timed(torch.optim.AdamW.step, "optimiser step")
 if "trl" in os.path.basename(script):
     from transformers import GenerationMixin
-    from trl import GRPOTrainer, RLOOTrainer
+    from trl import DistillationTrainer, GRPOTrainer, RLOOTrainer
 
     GenerationMixin.generate = timed(GenerationMixin.generate, "generation")
     for cls in (RLOOTrainer, GRPOTrainer):
         cls._get_per_token_logps_and_entropies = timed(cls._get_per_token_logps_and_entropies, passes)
+    # distillation: the student's backbone with gradient, the teacher's without (its lm_head runs in the divergence)
+    DistillationTrainer._get_last_hidden_state = timed(DistillationTrainer._get_last_hidden_state, passes)
 else:  # the scripts call these as utils.NAME, infra.py by the names it imported: both modules are patched
     import infra
     import utils

@@ -11,13 +11,14 @@ p = argparse.ArgumentParser()
 p.add_argument("cfg_dir")
 p.add_argument("out_dir")
 p.add_argument("--tiny", action="store_true")
+p.add_argument("--seed", type=int, default=0)
 a = p.parse_args()
 t0 = time.time()
 cfg = AutoConfig.from_pretrained(a.cfg_dir)
 if a.tiny:
     cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 2, 64, 128
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 16
-torch.manual_seed(0)
+torch.manual_seed(a.seed)
 model = LlamaForCausalLM(cfg).float()
 model.save_pretrained(a.out_dir)
 AutoTokenizer.from_pretrained(a.cfg_dir).save_pretrained(a.out_dir)
