@@ -92,7 +92,7 @@ micro_batches = [torch.arange(s, s + MICRO) for s in range(0, N, MICRO)]
 step_tokens = (~padding_mask).sum().float() / GA  # run.reduce_sum(...) / (world_size * gradient_accumulation_steps)
 w_ours = {n: p.detach().clone() for n, p in student.named_parameters()}
 student.zero_grad(set_to_none=True)
-our_losses, our_token_loss = [], torch.zeros(N, width)
+our_losses = []
 for micro in micro_batches:
     mb_mask = ~padding_mask[micro]
     logits = forward_grouped(
@@ -117,7 +117,6 @@ for micro in micro_batches:
     scaled = loss / GA  # accelerator.backward divides by gradient_accumulation_steps
     scaled.backward()
     our_losses.append(scaled.item())
-    our_token_loss[micro] = per_token_loss.detach().masked_fill(~mb_mask, 0.0)
     sampled_kl = (
         logprobs_from_logits(logits.detach(), responses[micro], TEMPERATURE)
         - logprobs_from_logits(teacher_logits, responses[micro], TEMPERATURE)
