@@ -31,6 +31,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+    sys.exit(__doc__)
 out_path, script, command = sys.argv[1], sys.argv[2], " ".join(sys.argv[2:])
 if not os.path.exists(script):  # a path from the repository's root, run from elsewhere
     script = os.path.join(REPO, script)
