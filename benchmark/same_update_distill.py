@@ -1,7 +1,7 @@
 """One distillation update on identical inputs, distill.py's update lines against TRL 1.16's DistillationTrainer: the
 same prompts (the first update's of a seed, left-padded to different lengths), the same sampled completions, the same
 student and teacher weights. Each side runs its own forward passes of both models and its own divergence; the script
-prints how far apart the per-token losses, the backpropagated losses and the gradients are. A relative gradient
+prints how far apart the backpropagated losses (per micro-batch and summed) and the gradients are. A relative gradient
 difference near 1e-5 is float32 rounding.
 
     /path/to/venv-with-trl/bin/python benchmark/same_update_distill.py --seed 1
