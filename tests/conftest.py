@@ -3,10 +3,10 @@
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 import pytest
+from warm import Server
 
 # Set before transformers/datasets are imported anywhere, so nothing ever reaches for the network.
 for _name, _value in [
@@ -19,14 +19,19 @@ for _name, _value in [
     os.environ.setdefault(_name, _value)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = Server(REPO)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    WARM.close()
 
 
 def run_script(command, cwd, timeout=600):
-    """Run a repo script in a fresh interpreter, as a user would type it ("rloo.py --rloo_k 4 ..."); the caller
-    inspects returncode/stdout/stderr."""
+    """Run a repo script in a process of its own, as a user would type it ("rloo.py --rloo_k 4 ..."), forked from a
+    server that has imported torch and the rest once (tests/warm.py); the caller inspects returncode/stdout/stderr."""
     script, *args = shlex.split(command)
     cmd = [sys.executable, os.path.join(REPO, script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=os.environ.copy(), timeout=timeout)
+    return WARM.run(cmd, cwd=cwd, env=os.environ.copy(), timeout=timeout)
 
 
 def descendants(pid):
