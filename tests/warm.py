@@ -66,8 +66,8 @@ class Server:
         """whether the server can run with env: started at the first run, with that run's environment; started again
         with another once two runs in a row have it (a variable that a library sets in the middle of the session)"""
         env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}  # (pytest's own, set for each test)
-        if os.environ.get("TESTS_FRESH_INTERPRETER") == "1":
-            return False
+        if os.environ.get("TESTS_FRESH_INTERPRETER") == "1" or (self.proc is not None and self.proc.poll() is not None):
+            return False  # (a server that died: fresh interpreters from then on)
         if env != self.env and env == self.last:
             self.close()
         self.last = env
@@ -87,15 +87,18 @@ class Server:
     def run(self, argv, cwd, env, timeout):
         """subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout), argv[0] the
         interpreter, argv[1] the script"""
-        if not self.usable(env):
-            return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
         with tempfile.TemporaryDirectory() as folder:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
             open(out, "w").close(), open(err, "w").close()
             request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            pid = json.loads(self.proc.stdout.readline())["pid"]
+            try:
+                if not self.usable(env):
+                    raise BrokenPipeError
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                pid = json.loads(self.proc.stdout.readline())["pid"]  # ("": the server could not start)
+            except (BrokenPipeError, json.JSONDecodeError):
+                return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
             if not ready:
                 os.kill(pid, signal.SIGKILL)
@@ -109,4 +112,4 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
-        self.proc = None
+        self.proc = self.env = None
