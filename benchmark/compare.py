@@ -110,6 +110,50 @@ def gradient_report(g_ours, g_trl, parts=("",)):
         print(f"  {r:.3e}  {n}  (|g_trl| {g_trl[n].norm().item():.3e})")
 
 
+DISTILL_DATA = os.path.join(REPO, "examples", "distill")
+
+
+def distill_flags(model, teacher, seed, updates, output_dir, per_device=8, accumulation=2, length=24, bf16=False):
+    """distill.py's flags for the settings distill_trl.py and same_run_distill.py hold both sides to (distill_config
+    is TRL's side): cheerful.jsonl's prompts, per_device completions per pass x accumulation passes per optimiser step,
+    at most length tokens, temperature 0.7, the reverse KL, learning rate 5e-5 annealed linearly, no sample tables"""
+    return [
+        "--model_name_or_path", model, "--teacher_model_name_or_path", teacher, "--seed", str(seed),
+        "--dataset_name", os.path.join(DISTILL_DATA, "cheerful.jsonl"), "--per_device_train_batch_size", str(per_device),
+        "--gradient_accumulation_steps", str(accumulation), "--total_episodes", str(updates * per_device * accumulation),
+        "--response_length", str(length), "--temperature", "0.7", "--learning_rate", "5e-5",
+        "--num_sample_generations", "0", "--output_dir", output_dir, *(["--bf16"] if bf16 else []),
+    ]  # fmt: skip
+
+
+def distill_config(output_dir, seed, updates, per_device=8, accumulation=2, length=24, bf16=False, beta=1.0, **fields):
+    """TRL 1.16's DistillationConfig for distill_flags' settings (its defaults elsewhere: top_k 0, top_p 1, AdamW,
+    gradient clipping at 1.0; adam_epsilon set to ours), logging every step, saving nothing; on the GPU where there is one"""
+    from trl import DistillationConfig
+
+    return DistillationConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        max_completion_length=length,
+        temperature=0.7,
+        beta=beta,
+        learning_rate=5e-5,
+        lr_scheduler_type="linear",
+        adam_epsilon=1e-5,  # ours
+        max_steps=updates,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),  # ours: accelerate's device
+        bf16=bf16,
+        gradient_checkpointing=False,
+        seed=seed,
+        disable_tqdm=True,
+        **fields,
+    )
+
+
 def band(ax, x, ys, label, **kwargs):
     """A curve over seeds: the mean of ys (seeds, points) against x, and a band from the lowest to the highest."""
     ys = np.asarray(ys)

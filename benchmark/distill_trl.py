@@ -40,16 +40,18 @@ parser.add_argument("--no_eval", action="store_true", help="no held-out KL (timi
 parser.add_argument("--side", choices=["both", "trl_run"], default="both", help=argparse.SUPPRESS)
 args = parser.parse_args()
 
-PER_DEVICE, ACCUMULATION, LENGTH, TEMPERATURE, LR = args.per_device, args.accumulation, args.length, 0.7, 5e-5
-DATA = os.path.join(REPO, "examples", "distill")
+PER_DEVICE, ACCUMULATION = args.per_device, args.accumulation
+SETTINGS = dict(per_device=PER_DEVICE, accumulation=ACCUMULATION, length=args.length, bf16=args.bf16)  # both sides'
+sys.path.insert(0, HERE)
+from compare import DISTILL_DATA as DATA  # noqa: E402  (benchmark/compare.py)
+from compare import distill_config, distill_flags  # noqa: E402
 
 
 def trl_run(out):
     """TRL's side, in the interpreter that has trl"""
     import datasets
-    import torch
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import DistillationConfig, DistillationTrainer
+    from trl import DistillationTrainer
 
     class Log(TrainerCallback):
         def on_train_begin(self, *a, **kw):
@@ -58,33 +60,15 @@ def trl_run(out):
         def on_log(self, _args, state, _control, logs=None, **kw):
             if logs and "loss" in logs:
                 row = {"episode": state.global_step * PER_DEVICE * ACCUMULATION, "seconds": time.time() - self.start}
-                row["loss"] = logs["loss"]
+                row["loss"] = logs["loss"]  # and, beside ours (val/response_length, entropy), its samples'
+                row.update({k: logs[k] for k in ("completions/mean_length", "entropy") if k in logs})
                 with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(row) + "\n")
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     dataset = datasets.load_dataset("json", data_files=os.path.join(DATA, "cheerful.jsonl"), split="train")
     dataset = dataset.remove_columns(["teacher_prompt"])
-    config = DistillationConfig(
-        output_dir=out,
-        per_device_train_batch_size=PER_DEVICE,
-        gradient_accumulation_steps=ACCUMULATION,
-        max_completion_length=LENGTH,
-        temperature=TEMPERATURE,
-        beta=1.0,
-        learning_rate=LR,
-        lr_scheduler_type="linear",
-        adam_epsilon=1e-5,  # ours
-        max_steps=args.updates,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=not torch.cuda.is_available(),  # ours: accelerate's device
-        bf16=args.bf16,
-        gradient_checkpointing=False,
-        seed=args.seed,
-        disable_tqdm=True,
-    )
+    config = distill_config(output_dir=out, seed=args.seed, updates=args.updates, **SETTINGS)
     trainer = DistillationTrainer(
         model=args.model,
         teacher_model=args.teacher,
@@ -123,14 +107,8 @@ for side in ("ours", "trl"):
     os.makedirs(os.path.join(out, side), exist_ok=True)
     if os.path.exists(os.path.join(out, side, "metrics.jsonl")):
         os.remove(os.path.join(out, side, "metrics.jsonl"))
-ours = [
-    sys.executable, os.path.join(REPO, "distill.py"), "--model_name_or_path", args.model, "--seed", str(args.seed),
-    "--teacher_model_name_or_path", args.teacher, "--dataset_name", os.path.join(DATA, "cheerful.jsonl"),
-    "--per_device_train_batch_size", str(PER_DEVICE), "--gradient_accumulation_steps", str(ACCUMULATION),
-    "--total_episodes", str(args.updates * PER_DEVICE * ACCUMULATION), "--response_length", str(LENGTH),
-    "--temperature", str(TEMPERATURE), "--learning_rate", str(LR), "--num_sample_generations", "0",
-    "--output_dir", os.path.join(out, "ours"), *(["--bf16"] if args.bf16 else []),
-]  # fmt: skip
+ours = [sys.executable, os.path.join(REPO, "distill.py")]
+ours += distill_flags(args.model, args.teacher, args.seed, args.updates, os.path.join(out, "ours"), **SETTINGS)
 results = {}
 for side, command in [("ours", ours), ("trl", [args.trl_python, __file__, "--side", "trl_run", *sys.argv[1:]])]:
     start = time.time()
@@ -154,7 +132,7 @@ if not args.no_eval:
     results["ours"]["held_out_kl"] = held_out_kl(os.path.join(out, "ours"), os.path.join(out, "eval_ours"))
     results["trl"]["held_out_kl"] = held_out_kl(os.path.join(out, "trl", "model"), os.path.join(out, "eval_trl"))
 results["eps_ratio"] = results["ours"]["eps"] / results["trl"]["eps"]
-results["settings"] = dict(per_device=PER_DEVICE, accumulation=ACCUMULATION, length=LENGTH, bf16=args.bf16)
+results["settings"] = SETTINGS
 results["command"] = " ".join(["python", "benchmark/distill_trl.py", *sys.argv[1:]])
 json.dump(results, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps({side: {k: v for k, v in results[side].items() if k != "losses"} for side in ("ours", "trl")}, indent=1))

@@ -30,7 +30,7 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disab
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
-from compare import gradient_report  # noqa: E402  (benchmark/compare.py)
+from compare import distill_config, gradient_report  # noqa: E402  (benchmark/compare.py)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from distill import generalized_jsd  # noqa: E402  (distill.py's own function; its main is guarded)
@@ -129,28 +129,9 @@ log("ours done")
 # ------------------------------------------------------------------------------------------------------------------
 # 4. TRL's batch from the same completions, then its gradient
 import datasets  # noqa: E402
-from trl import DistillationConfig, DistillationTrainer  # noqa: E402
+from trl import DistillationTrainer  # noqa: E402
 
-config = DistillationConfig(  # benchmark/distill_trl.py's fields
-    output_dir=cli.out,
-    per_device_train_batch_size=MICRO,
-    gradient_accumulation_steps=GA,
-    max_completion_length=RESPONSE_LENGTH,
-    temperature=TEMPERATURE,
-    beta=BETA,
-    learning_rate=5e-5,
-    lr_scheduler_type="linear",
-    adam_epsilon=1e-5,
-    max_steps=12,
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    use_cpu=True,
-    bf16=False,
-    gradient_checkpointing=False,
-    seed=SEED,
-    disable_tqdm=True,
-)
+config = distill_config(output_dir=cli.out, seed=SEED, updates=12, per_device=MICRO, accumulation=GA, beta=BETA)
 dataset = datasets.load_dataset("json", data_files=PROMPTS, split="train").remove_columns(["teacher_prompt"])
 trainer = DistillationTrainer(
     model=MODEL, teacher_model=TEACHER, args=config, train_dataset=dataset, processing_class=load_tokenizer(MODEL)
