@@ -111,6 +111,7 @@ def gradient_report(g_ours, g_trl, parts=("",)):
 
 
 DISTILL_DATA = os.path.join(REPO, "examples", "distill")
+DISTILL_PROMPTS = os.path.join(DISTILL_DATA, "cheerful.jsonl")  # the training prompts of both sides
 
 
 def distill_flags(model, teacher, seed, updates, output_dir, per_device=8, accumulation=2, length=24, bf16=False):
@@ -119,14 +120,14 @@ def distill_flags(model, teacher, seed, updates, output_dir, per_device=8, accum
     at most length tokens, temperature 0.7, the reverse KL, learning rate 5e-5 annealed linearly, no sample tables"""
     return [
         "--model_name_or_path", model, "--teacher_model_name_or_path", teacher, "--seed", str(seed),
-        "--dataset_name", os.path.join(DISTILL_DATA, "cheerful.jsonl"), "--per_device_train_batch_size", str(per_device),
+        "--dataset_name", DISTILL_PROMPTS, "--per_device_train_batch_size", str(per_device),
         "--gradient_accumulation_steps", str(accumulation), "--total_episodes", str(updates * per_device * accumulation),
         "--response_length", str(length), "--temperature", "0.7", "--learning_rate", "5e-5",
         "--num_sample_generations", "0", "--output_dir", output_dir, *(["--bf16"] if bf16 else []),
     ]  # fmt: skip
 
 
-def distill_config(output_dir, seed, updates, per_device=8, accumulation=2, length=24, bf16=False, beta=1.0, **fields):
+def distill_config(output_dir, seed, updates, per_device=8, accumulation=2, length=24, bf16=False, beta=1.0):
     """TRL 1.16's DistillationConfig for distill_flags' settings (its defaults elsewhere: top_k 0, top_p 1, AdamW,
     gradient clipping at 1.0; adam_epsilon set to ours), logging every step, saving nothing; on the GPU where there is one"""
     from trl import DistillationConfig
@@ -150,7 +151,6 @@ def distill_config(output_dir, seed, updates, per_device=8, accumulation=2, leng
         gradient_checkpointing=False,
         seed=seed,
         disable_tqdm=True,
-        **fields,
     )
 
 

@@ -33,7 +33,8 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 import tyro  # noqa: E402
-from compare import distill_config, distill_flags  # noqa: E402  (benchmark/compare.py)
+from compare import DISTILL_PROMPTS as PROMPTS  # noqa: E402  (benchmark/compare.py)
+from compare import distill_config, distill_flags  # noqa: E402
 
 import distill  # noqa: E402
 import infra  # noqa: E402
@@ -47,7 +48,6 @@ parser.add_argument("--teacher", default=os.path.join(HERE, "results", "distill_
 cli = parser.parse_args()
 if not os.path.exists(os.path.join(cli.teacher, "config.json")):
     sys.exit(f"error: no teacher at {cli.teacher}: run benchmark/distill_demo.py --tasks rloo first, or pass --teacher")
-PROMPTS = os.path.join(REPO, "examples", "distill", "cheerful.jsonl")
 tmp = tempfile.mkdtemp()
 
 # ------------------------------------------------------------------------------------------------------------------

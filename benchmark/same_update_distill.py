@@ -30,7 +30,8 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disab
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
-from compare import distill_config, gradient_report  # noqa: E402  (benchmark/compare.py)
+from compare import DISTILL_PROMPTS as PROMPTS  # noqa: E402  (benchmark/compare.py)
+from compare import distill_config, gradient_report  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from distill import generalized_jsd  # noqa: E402  (distill.py's own function; its main is guarded)
@@ -47,7 +48,6 @@ cli = parser.parse_args()
 if not os.path.exists(os.path.join(cli.teacher, "config.json")):
     sys.exit(f"error: no teacher at {cli.teacher}: run benchmark/distill_demo.py --tasks rloo first, or pass --teacher")
 MODEL, TEACHER, SEED = cli.model, cli.teacher, cli.seed
-PROMPTS = os.path.join(REPO, "examples", "distill", "cheerful.jsonl")
 N, RESPONSE_LENGTH, TEMPERATURE, MICRO, GA, BETA = 16, 24, 0.7, 8, 2, cli.beta
 log = print
 

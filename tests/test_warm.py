@@ -17,7 +17,7 @@ SCRIPTS = {
 }
 
 
-def test_a_run_from_the_server_is_a_fresh_interpreters(tmp_path):
+def test_a_run_from_the_server_behaves_as_in_a_fresh_interpreter(tmp_path):
     server = Server(REPO)
     env = {**os.environ, "WARM_TEST": "1"}
     try:
@@ -40,7 +40,7 @@ def test_a_run_from_the_server_is_a_fresh_interpreters(tmp_path):
         with pytest.raises(subprocess.TimeoutExpired):
             server.run([sys.executable, str(tmp_path / "slow.py")], cwd=tmp_path, env=env, timeout=1)
 
-        # another environment (PYTHONPATH, read as an interpreter starts) gets a fresh interpreter
+        # another environment (here one variable; PYTHONPATH would be read only as an interpreter starts) runs fresh
         other = server.run([sys.executable, str(tmp_path / "ok.py")], cwd=tmp_path, env={**env, "WARM_TEST": "2"}, timeout=120)
         assert other.returncode == 0 and " 2\n" in other.stdout and f"parent {os.getpid()}" in other.stdout
     finally:

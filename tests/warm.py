@@ -24,7 +24,7 @@ sys.path.insert(0, {repo!r})
 import datasets, deepspeed, infra, utils  # what every script imports (torch, transformers, accelerate, tyro with them)
 import transformers.models.gpt_neox.modeling_gpt_neox, transformers.models.llama.modeling_llama  # the tests' models
 del sys.path[0]
-del infra, utils  # a script imports them afresh from its own folder (sys.modules keeps them loaded)
+del infra, utils  # (the names only: sys.modules keeps the modules, which a script's own imports then find)
 base_path = list(sys.path[1:])
 sys.stdout.flush()
 sys.stderr.flush()
@@ -91,13 +91,15 @@ class Server:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
             open(out, "w").close(), open(err, "w").close()
             request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
-            try:
-                if not self.usable(env):
-                    raise BrokenPipeError
-                self.proc.stdin.write(json.dumps(request) + "\n")
-                self.proc.stdin.flush()
-                pid = json.loads(self.proc.stdout.readline())["pid"]  # ("": the server could not start)
-            except (BrokenPipeError, json.JSONDecodeError):
+            pid = None
+            if self.usable(env):
+                try:
+                    self.proc.stdin.write(json.dumps(request) + "\n")
+                    self.proc.stdin.flush()
+                    pid = json.loads(self.proc.stdout.readline())["pid"]
+                except (BrokenPipeError, json.JSONDecodeError):  # the server could not start, or died
+                    pass
+            if pid is None:
                 return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
             if not ready:
