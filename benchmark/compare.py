@@ -154,6 +154,39 @@ def distill_config(output_dir, seed, updates, per_device=8, accumulation=2, leng
     )
 
 
+def distill_trainer(model, teacher, config, callbacks=()):
+    """TRL's DistillationTrainer on cheerful.jsonl's prompts (its teacher_prompt column dropped: the teacher reads the
+    student's prompt, as in distill_flags), the student's tokenizer padding on the left"""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DistillationTrainer
+
+    dataset = datasets.load_dataset("json", data_files=DISTILL_PROMPTS, split="train").remove_columns(["teacher_prompt"])
+    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+    return DistillationTrainer(
+        model=model,
+        teacher_model=teacher,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+    )
+
+
+def distill_held_out_kl(student, teacher, out):
+    """distill.py's first evaluation of `student` against `teacher` (learning rate 0, greedy completions of
+    cheerful_test.jsonl's 64 prompts), written to `out`: eval/kl_teacher, the mean KL(student || teacher) per token"""
+    cmd = [sys.executable, os.path.join(REPO, "distill.py"), "--model_name_or_path", student, "--teacher_model_name_or_path"]
+    cmd += [teacher, "--dataset_name", DISTILL_PROMPTS, "--eval_dataset_name", f"{DISTILL_DATA}/cheerful_test.jsonl"]
+    cmd += ["--learning_rate", "0", "--total_episodes", "16", "--no_save_model", "--num_sample_generations", "0"]
+    cmd += ["--output_dir", out]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"the evaluation of {student} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return next(row["eval/kl_teacher"] for row in rows if "eval/kl_teacher" in row)
+
+
 def band(ax, x, ys, label, **kwargs):
     """A curve over seeds: the mean of ys (seeds, points) against x, and a band from the lowest to the highest."""
     ys = np.asarray(ys)

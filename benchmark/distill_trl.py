@@ -43,15 +43,12 @@ args = parser.parse_args()
 PER_DEVICE, ACCUMULATION = args.per_device, args.accumulation
 SETTINGS = dict(per_device=PER_DEVICE, accumulation=ACCUMULATION, length=args.length, bf16=args.bf16)  # both sides'
 sys.path.insert(0, HERE)
-from compare import DISTILL_DATA as DATA  # noqa: E402  (benchmark/compare.py)
-from compare import distill_config, distill_flags  # noqa: E402
+from compare import distill_config, distill_flags, distill_held_out_kl, distill_trainer  # noqa: E402  (benchmark/compare.py)
 
 
 def trl_run(out):
     """TRL's side, in the interpreter that has trl"""
-    import datasets
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import DistillationTrainer
+    from transformers import TrainerCallback
 
     class Log(TrainerCallback):
         def on_train_begin(self, *a, **kw):
@@ -65,35 +62,11 @@ def trl_run(out):
                 with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(row) + "\n")
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    dataset = datasets.load_dataset("json", data_files=os.path.join(DATA, "cheerful.jsonl"), split="train")
-    dataset = dataset.remove_columns(["teacher_prompt"])
     config = distill_config(output_dir=out, seed=args.seed, updates=args.updates, **SETTINGS)
-    trainer = DistillationTrainer(
-        model=args.model,
-        teacher_model=args.teacher,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Log()],
-    )
+    trainer = distill_trainer(args.model, args.teacher, config, callbacks=[Log()])
     trainer.train()
     trainer.save_model(os.path.join(out, "model"))
-    tokenizer.save_pretrained(os.path.join(out, "model"))
-
-
-def held_out_kl(student, out):
-    """distill.py's first evaluation of `student` against the teacher, learning rate 0: eval/kl_teacher"""
-    cmd = [sys.executable, os.path.join(REPO, "distill.py"), "--model_name_or_path", student, "--teacher_model_name_or_path"]
-    cmd += [args.teacher, "--dataset_name", f"{DATA}/cheerful.jsonl", "--eval_dataset_name", f"{DATA}/cheerful_test.jsonl"]
-    cmd += ["--learning_rate", "0", "--total_episodes", "16", "--no_save_model", "--num_sample_generations", "0"]
-    cmd += ["--output_dir", out]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"the evaluation of {student} failed:\n{proc.stderr[-3000:]}")
-    return next(json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if "eval/kl_teacher" in line)[
-        "eval/kl_teacher"
-    ]
+    trainer.processing_class.save_pretrained(os.path.join(out, "model"))
 
 
 if args.side == "trl_run":
@@ -128,9 +101,9 @@ for side, rows in [("ours", ours_rows), ("trl", trl_rows)]:
         loss_last4=sum(r["loss"] for r in rows[-4:]) / 4,
     )
 if not args.no_eval:
-    results["held_out_kl_start"] = held_out_kl(args.model, os.path.join(out, "eval_start"))
-    results["ours"]["held_out_kl"] = held_out_kl(os.path.join(out, "ours"), os.path.join(out, "eval_ours"))
-    results["trl"]["held_out_kl"] = held_out_kl(os.path.join(out, "trl", "model"), os.path.join(out, "eval_trl"))
+    results["held_out_kl_start"] = distill_held_out_kl(args.model, args.teacher, os.path.join(out, "eval_start"))
+    for side, student in [("ours", os.path.join(out, "ours")), ("trl", os.path.join(out, "trl", "model"))]:
+        results[side]["held_out_kl"] = distill_held_out_kl(student, args.teacher, os.path.join(out, f"eval_{side}"))
 results["eps_ratio"] = results["ours"]["eps"] / results["trl"]["eps"]
 results["settings"] = SETTINGS
 results["command"] = " ".join(["python", "benchmark/distill_trl.py", *sys.argv[1:]])

