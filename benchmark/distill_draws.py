@@ -74,7 +74,7 @@ def table():
     print("| --- | --- | --- | --- | --- |")
     for variant in [v for v in VARIANTS if v in kl]:
         values = list(kl[variant].values())
-        spread = f"{statistics.mean(values):.4f} ({statistics.stdev(values):.4f})"
+        spread = f"{statistics.mean(values):.4f}" + (f" ({statistics.stdev(values):.4f})" if len(values) > 1 else "")
         print(f"| {variant} | {len(values)} | {spread} | {paired(variant, 'ours')} | {paired(variant, 'trl')} |")
 
 
@@ -111,25 +111,22 @@ def train_ours(out):
 def train_trl(out):
     import torch
 
+    import infra
     import utils
 
     trainer = distill_trainer(cli.model, cli.teacher, distill_config(output_dir=out, seed=cli.seed, updates=UPDATES))
     if cli.variant == "trl_inverse_cdf":
-        stops = trainer.eos_token_ids
+        (stop,) = trainer.eos_token_ids  # utils.generate stops at one token
+        pad = trainer.processing_class.pad_token_id
 
         def sample(prompt_ids, images, multimodal_fields, has_tool_images=False):  # as TRL's: each one's ids to its EOS
-            width = max(map(len, prompt_ids))
-            pad = trainer.processing_class.pad_token_id
-            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+            ids, mask = infra.left_pad([list(p) for p in prompt_ids], pad)
             model = trainer.accelerator.unwrap_model(trainer.model)
-            tokens = utils.generate(
-                model, ids, mask, LENGTH, TEMPERATURE, stop_token_id=stops[0], uniforms=torch.rand(len(ids), LENGTH)
-            )
-            ends = [next((j + 1 for j, t in enumerate(row) if t in stops), len(row)) for row in tokens.tolist()]
-            return [row[:end] for row, end in zip(tokens.tolist(), ends)]
+            uniforms = torch.rand(len(ids), LENGTH)
+            tokens = utils.generate(model, ids, mask, LENGTH, TEMPERATURE, stop_token_id=stop, uniforms=uniforms)
+            tokens, lengths = infra.truncate_response(tokens, stop, pad)
+            return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
 
-        assert len(stops) == 1, "utils.generate stops at one token"
         trainer._generate_single_turn = sample
     trainer.train()
     trainer.save_model(os.path.join(out, "model"))
