@@ -40,6 +40,7 @@ from rich.pretty import pprint
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.cache_utils import StaticCache, StaticLayer
 
 from utils import (
     INVALID_LOGPROB,
@@ -52,6 +53,7 @@ from utils import (
     init_value_head,
     logprobs_from_logits,
     pad_cat,
+    sample_tokens,
     scalar_forward,
 )
 
@@ -91,6 +93,10 @@ class RolloutArgs(Checked):
     """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
     each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by importance sampling
     (docs/vllm.md). Needs vLLM installed; with several processes each has an engine"""
+    cuda_graphs: bool = False
+    """the scripts' own sampler with each decoding step captured in a CUDA graph over a static KV cache and replayed
+    (one launch per token instead of hundreds: small models decode several times faster on a GPU); one GPU per model,
+    not under ZeRO-3 or with --use_vllm. Checked against the plain forward pass when each graph is made"""
     vllm_gpu_memory_utilization: float = 0.3
     """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
     vllm_tensor_parallel_size: int = 1
@@ -119,6 +125,10 @@ class RolloutArgs(Checked):
             die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
             die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        if self.cuda_graphs and self.use_vllm:
+            die("--cuda_graphs speeds up the scripts' own sampler: leave it out with --use_vllm")
+        if self.cuda_graphs and not torch.cuda.is_available():
+            die("--cuda_graphs needs a CUDA GPU")
         if self.vllm_importance_sampling_cap is not None:
             print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
             self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
@@ -1291,6 +1301,11 @@ class Sampler:
         self.engine = None
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
             self.engine = vllm_engine(accelerator, args, self.unwrapped())
+        self.decode = generate
+        if args.cuda_graphs:
+            if run.device.type != "cuda" or zero3(accelerator):
+                die("--cuda_graphs needs the model whole on a CUDA device: not on a CPU, nor under ZeRO-3")
+            self.decode = GraphDecoder()
         run.sampler = self
 
     def unwrapped(self):
@@ -1406,6 +1421,7 @@ class Sampler:
             chunk=self.chunk,
             group=group or self.group,
             synced=zero3(self.run.accelerator),
+            decode=self.decode,
         )
 
     def play(self, prompts, rows, env_seeds, uniforms, seeds, max_length, k=None, temperature=None, engine=True):
@@ -1618,11 +1634,13 @@ def sample_completions(
     chunk,
     group=1,
     synced=False,
+    decode=generate,
 ):
     """A rollout's completions of its rows (queries, query_mask: (prompts * k, query_len), left-padded, a prompt's k rows
     adjacent), up to max_length tokens at temperature: the vLLM engine's (--use_vllm; it must hold model's weights:
-    vllm_sync), which gets each prompt once with its seed, else generate()'s on model, chunk rows at a time with their
-    uniforms. Returns (responses (rows, width) padded with pad_token_id, the engine's logprobs of them or None)."""
+    vllm_sync), which gets each prompt once with its seed, else decode's (generate(), or a GraphDecoder) on model,
+    chunk rows at a time with their uniforms. Returns (responses (rows, width) padded with pad_token_id, the engine's
+    logprobs of them or None)."""
     if engine is not None:
         return vllm_generate(
             engine,
@@ -1639,7 +1657,7 @@ def sample_completions(
     for i in range(0, len(queries), chunk):
         rows = slice(i, i + chunk)
         responses.append(
-            generate(
+            decode(
                 model,
                 queries[rows],
                 query_mask[rows],
@@ -1652,6 +1670,183 @@ def sample_completions(
             )
         )
     return pad_cat(responses, pad_token_id), None
+
+
+class GraphDecoder:
+    """--cuda_graphs: generate() with each decoding step (one token per row through the model over a static KV cache,
+    and its draw) captured once in a CUDA graph and replayed, one launch per step instead of one per kernel: a small
+    model's decoding is bound by its launches. The prompts prefill the cache in a plain forward pass. One graph per
+    model, rows, cache length (prompt + response, rounded up to 128 tokens), temperature and precision, made on first
+    use and then checked against the plain forward pass (the run stops in one line where it differs, or where the
+    model cannot be captured). Called as generate(); the same tokens up to rounding. capture=False runs the same steps
+    without a graph (a CPU test of everything but the capture)."""
+
+    def __init__(self, capture=True):
+        self.capture, self.graphs, self.pool = capture, {}, None
+
+    @torch.no_grad()
+    def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, **_):
+        rows, width = queries.shape
+        device = queries.device
+        uniforms = (torch.rand(rows, response_length) if uniforms is None else uniforms).to(device)
+        precision = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        size = -(-(width + response_length) // 128) * 128
+        key = (id(model), rows, size, temperature, precision)
+        weights = [p.data_ptr() for p in model.parameters()]
+        kind = model.config.model_type
+        g = self.graphs.get(key)
+        if g is not None and g.weights != weights:  # (moved or reallocated weights: a graph reads them where they were)
+            self.graphs.clear()
+            g = None
+        if g is None:
+            if model.config._attn_implementation not in ("sdpa", "eager"):
+                die(f"--cuda_graphs takes sdpa or eager attention, not {model.config._attn_implementation}")
+            g = StaticBuffers(rows, size, device, weights)
+            g.cache = StaticCache(config=model.config, max_cache_len=size)
+            if any(type(layer) is not StaticLayer for layer in g.cache.layers):
+                die(f"--cuda_graphs: this {kind} model's cache is not a plain static one (sliding windows?); train without it")
+            g.cache.layers = [OneTypeLayer(size) for _ in g.cache.layers]
+            g.eager = model.config._attn_implementation == "eager"
+
+        # the keys each row may read: its prompt's real tokens, then every generated one (the causal limit per step)
+        g.keys[:, :width] = query_mask.bool()
+        g.keys[:, width:] = True
+        for layer in g.cache.layers:
+            layer.cumulative_length.zero_()  # (where the layer writes next)
+        span = g.span[:width]
+        # prefill, (rows, 1, width, size): each position reads its row's real keys up to it, and a padding position
+        # itself: no row of the attention is empty, which some kernels answer with NaN, and NaN in a padding position's
+        # keys would reach every later position through its zero weight
+        seen = g.keys[:, None, :] & (g.span[None, None, :] <= span[None, :, None]) | (g.span == span[:, None])[None]
+        try:
+            out = model(
+                input_ids=queries,
+                attention_mask=g.mask(seen[:, None], model.dtype),
+                position_ids=query_mask.cumsum(1) - query_mask,
+                cache_position=span,
+                past_key_values=g.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except Exception as e:  # noqa: BLE001 (a family that builds its own masks or biases: ALiBi's, say)
+            if g.checked:
+                raise
+            reason = " ".join(str(e).split())[:200] or type(e).__name__
+            die(f"--cuda_graphs: this {kind} model cannot decode over a static cache ({reason}); train without it")
+        token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, 0])
+        tokens = [token]
+        g.position.copy_(query_mask.sum(1, keepdim=True) - 1)
+        g.at.fill_(width - 1)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        logprobs = []
+
+        def step():
+            seen = g.keys & (g.span <= g.at)  # (rows, size)
+            logits = model(
+                input_ids=g.token,
+                attention_mask=g.mask(seen[:, None, None], model.dtype),
+                position_ids=g.position,
+                cache_position=g.at,
+                past_key_values=g.cache,
+                use_cache=True,
+            ).logits[:, -1]
+            chosen = sample_tokens(logits, temperature, g.uniform)  # (rows, 1)
+            return chosen, torch.log_softmax(logits.float() / (temperature or 1.0), -1).gather(-1, chosen)[:, 0]
+
+        for t in range(1, response_length):
+            if stop_token_id is not None:
+                done |= token[:, 0] == stop_token_id
+                if done.all():
+                    break
+            g.token.copy_(token)
+            g.position.add_(1)
+            g.at.add_(1)
+            g.uniform.copy_(uniforms[:, t])
+            if not self.capture:
+                token, logprob = step()
+            else:
+                if g.graph is None:
+                    self.record(g, step, kind)
+                g.graph.replay()
+                token, logprob = g.outputs[0].clone(), g.outputs[1].clone()
+            tokens.append(token)
+            logprobs.append(logprob)
+        tokens = torch.cat(tokens, dim=1)
+        if not g.checked and logprobs:
+            self.check(model, queries, query_mask, tokens, logprobs, temperature, kind)
+            g.checked = True
+        self.graphs[key] = g
+        return tokens
+
+    def record(self, g, step, kind):
+        """Capture step() in g.graph, after two runs on a side stream (which CUDA graphs need); those write the cache's
+        next position, which the step after them writes again."""
+        lengths = [layer.cumulative_length.clone() for layer in g.cache.layers]
+        # (autocast's cache of cast weights off: the graph must cast the weights at each replay, not keep one cast)
+        uncached = functools.partial(torch.autocast, "cuda", enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), uncached():
+                for _ in range(2):
+                    step()
+                    for layer, n in zip(g.cache.layers, lengths):
+                        layer.cumulative_length.copy_(n)
+            torch.cuda.current_stream().wait_stream(side)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=self.pool), uncached():
+                g.outputs = step()
+        except RuntimeError as e:
+            reason = " ".join(str(e).split())[:200]
+            die(f"--cuda_graphs: this {kind} model's decoding step cannot be captured ({reason}); train without it")
+
+    @staticmethod
+    def check(model, queries, query_mask, tokens, logprobs, temperature, kind):
+        """Stop the run in one line unless the graph's logprob of each token it drew is the plain forward pass's (within
+        1e-2 in fp32; in bf16, rounding, the mean within 0.05: check_vllm_logprobs' bounds)."""
+        if not logprobs:
+            return
+        drawn = tokens[:, 1 : 1 + len(logprobs)]
+        ids = torch.cat([queries, tokens], 1)
+        mask = torch.cat([query_mask, torch.ones_like(tokens)], 1)
+        logits = forward(model, ids, mask).logits[:, queries.shape[1] : queries.shape[1] + drawn.shape[1]]
+        plain = logprobs_from_logits(logits, drawn, temperature or 1.0)
+        diff = (plain - torch.stack(logprobs, 1)).abs()
+        if (diff.mean() > 0.05) if torch.is_autocast_enabled(queries.device.type) else (diff.max() > 1e-2):
+            die(
+                f"--cuda_graphs: the captured decoding of this {kind} model differs from its plain forward pass (logprobs "
+                f"by up to {diff.max():.3g}); train without --cuda_graphs"
+            )
+
+
+class OneTypeLayer(StaticLayer):
+    """transformers' static cache layer, its values stored in the keys' type: under autocast a rotated key can come out
+    in float32 (the rotation follows the embeddings' precision) beside a bfloat16 value, where the static layer holds
+    one type (the attention, under autocast, casts both to bfloat16 as it would have)"""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
+
+
+class StaticBuffers:
+    """A GraphDecoder graph's inputs, held where the graph reads them: each row's current token, position and uniform
+    number, the cache position being written, and which of the cache's keys each row may read."""
+
+    def __init__(self, rows, size, device, weights):
+        self.weights, self.graph, self.outputs, self.checked = weights, None, None, False
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.uniform = torch.zeros(rows, device=device)
+        self.at = torch.zeros(1, dtype=torch.long, device=device)
+        self.keys = torch.zeros(rows, size, dtype=torch.bool, device=device)
+        self.span = torch.arange(size, device=device)
+
+    def mask(self, seen, dtype):
+        """the attention mask the model takes as given (4D): booleans for sdpa, added to the scores for eager"""
+        if not self.eager:
+            return seen
+        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
 
 def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):
@@ -1822,6 +2017,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             seeds=None,
             chunk=len(query),
             synced=synced,
+            decode=sampler.decode if sampler is not None else generate,
         )
         response, lengths, per_source = score_completions(
             sources,

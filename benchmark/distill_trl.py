@@ -37,6 +37,7 @@ parser.add_argument("--accumulation", type=int, default=2, help="passes per opti
 parser.add_argument("--length", type=int, default=24, help="the most tokens per completion")
 parser.add_argument("--bf16", action="store_true", help="both sides in bf16 autocast (ours --bf16, TRL's bf16=True)")
 parser.add_argument("--no_eval", action="store_true", help="no held-out KL (timings only)")
+parser.add_argument("--ours", default="", help="more flags for distill.py's side alone (--cuda_graphs)")
 parser.add_argument("--side", choices=["both", "trl_run"], default="both", help=argparse.SUPPRESS)
 args = parser.parse_args()
 
@@ -82,6 +83,7 @@ for side in ("ours", "trl"):
         os.remove(os.path.join(out, side, "metrics.jsonl"))
 ours = [sys.executable, os.path.join(REPO, "distill.py")]
 ours += distill_flags(args.model, args.teacher, args.seed, args.updates, os.path.join(out, "ours"), **SETTINGS)
+ours += args.ours.split()
 results = {}
 for side, command in [("ours", ours), ("trl", [args.trl_python, __file__, "--side", "trl_run", *sys.argv[1:]])]:
     start = time.time()

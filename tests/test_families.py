@@ -160,6 +160,11 @@ FAMILIES = {
 EAGER_ONLY = {"gemma2", "gemma2_wide", "gpt_neo", "gptj", "bloom", "mpt", "gpt_oss", "mamba", "rwkv"}
 CASES = [(name, attn) for name in FAMILIES for attn in (["eager"] if name in EAGER_ONLY else ["sdpa", "eager"])]
 SUPPORTED = [case for case in CASES if FAMILIES[case[0]][1] is not None]
+# the families --cuda_graphs refuses: a cache that keeps a window (sliding or chunked layers), ALiBi's biases
+GRAPH_REFUSED = {
+    *("qwen2_window", "mistral", "mistral_wide", "gemma2", "gemma2_wide", "gemma3", "gemma3_wide", "olmo3", "gpt_oss"),
+    *("llama4_chunked", "gpt_neo", "falcon_alibi", "bloom", "mpt"),
+}
 
 
 def vllm_config(name):
@@ -254,6 +259,33 @@ def test_generate_equals_a_greedy_full_forward(name, attn):
     for group in (1, 3):
         responses = utils.generate(model, queries, qmask, response_length=6, temperature=0, group=group)
         assert responses.tolist() == seqs[:, queries.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("name, attn", SUPPORTED)
+def test_graph_decoder_draws_what_generate_draws(name, attn):
+    """--cuda_graphs' decoding (GraphDecoder: a static KV cache and 4D masks, run here without the capture, which needs a
+    GPU) against generate(): the same tokens from the same uniforms, greedy and at temperature 0.7, in fp32 and under
+    bf16 autocast, with left-padded prompts and a stop token, twice on one graph (its cache reset between calls); or one
+    line refusing the family
+    (a cache that is not a plain static one: sliding or chunked windows)."""
+    model = build(name, attn)
+    queries, qmask, *_ = batch(k=2)
+    decoder = infra.GraphDecoder(capture=False)
+    uniforms = torch.rand(len(queries), 12, generator=torch.Generator().manual_seed(1))
+    # (the third: the graph made by the second; the last under bf16 autocast, as the scripts sample with --bf16)
+    for temperature, bf16 in [(0.0, False), (0.7, False), (0.7, False), (0.7, True)]:
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                expected = utils.generate(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
+                got = decoder(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
+        except SystemExit as refused:
+            message = str(refused)
+            assert message.startswith("error: --cuda_graphs: ") and model.config.model_type in message and "\n" not in message
+            assert name in GRAPH_REFUSED, message
+            return
+        assert name not in GRAPH_REFUSED
+        assert got.tolist() == expected.tolist()
+    assert len(decoder.graphs) == 3 and all(g.checked for g in decoder.graphs.values())
 
 
 @pytest.mark.parametrize("name, attn", SUPPORTED)
