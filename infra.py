@@ -1301,11 +1301,7 @@ class Sampler:
         self.engine = None
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
             self.engine = vllm_engine(accelerator, args, self.unwrapped())
-        self.decode = generate
-        if args.cuda_graphs:
-            if run.device.type != "cuda" or zero3(accelerator):
-                die("--cuda_graphs needs the model whole on a CUDA device: not on a CPU, nor under ZeRO-3")
-            self.decode = GraphDecoder()
+        self.decode = GraphDecoder() if args.cuda_graphs else generate  # (checked by start)
         run.sampler = self
 
     def unwrapped(self):
@@ -2658,6 +2654,8 @@ def start(args, k_flag=None, default_reward="sentiment"):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if getattr(args, "cuda_graphs", False) and (accelerator.device.type != "cuda" or zero3(accelerator)):
+        die("--cuda_graphs needs the model whole on a CUDA device: not on a CPU, nor under ZeRO-3 (each step gathers it)")
     if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
         die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
     seed = args.seed + accelerator.process_index * 100003
