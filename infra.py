@@ -1674,11 +1674,12 @@ class GraphDecoder:
     model's decoding is bound by its launches. The prompts prefill the cache in a plain forward pass. One graph per
     model, rows, cache length (prompt + response, rounded up to 128 tokens), temperature and precision, made on first
     use and then checked against the plain forward pass (the run stops in one line where it differs, or where the
-    model cannot be captured). Called as generate(); the same tokens up to rounding. capture=False runs the same steps
-    without a graph (a CPU test of everything but the capture)."""
+    model cannot be captured); the `kept` most recently used are kept, each with its cache. Called as generate(), the
+    same tokens up to rounding, but each row prefills its own prompt (group is not used; synced, ZeRO-3, is refused).
+    capture=False runs the same steps without a graph (a CPU test of everything but the capture)."""
 
-    def __init__(self, capture=True):
-        self.capture, self.graphs, self.pool = capture, {}, None
+    def __init__(self, capture=True, kept=4):
+        self.capture, self.kept, self.graphs, self.pool = capture, kept, {}, None
 
     @torch.no_grad()
     def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, **_):
@@ -1690,25 +1691,27 @@ class GraphDecoder:
         key = (id(model), rows, size, temperature, precision)
         weights = [p.data_ptr() for p in model.parameters()]
         kind = model.config.model_type
-        g = self.graphs.get(key)
+        g = self.graphs.pop(key, None)  # (put back last: the most recently used)
         if g is not None and g.weights != weights:  # (moved or reallocated weights: a graph reads them where they were)
             self.graphs.clear()
             g = None
         if g is None:
-            if model.config._attn_implementation not in ("sdpa", "eager"):
-                die(f"--cuda_graphs takes sdpa or eager attention, not {model.config._attn_implementation}")
-            g = StaticBuffers(rows, size, device, weights)
-            g.cache = StaticCache(config=model.config, max_cache_len=size)
-            if any(type(layer) is not StaticLayer for layer in g.cache.layers):
+            attention = model.config._attn_implementation
+            if attention not in ("sdpa", "eager"):
+                die(f"--cuda_graphs takes sdpa or eager attention, not {attention}")
+            cache = StaticCache(config=model.config, max_cache_len=size)
+            if any(type(layer) is not StaticLayer for layer in cache.layers):
                 die(f"--cuda_graphs: this {kind} model's cache is not a plain static one (sliding windows?); train without it")
-            g.cache.layers = [OneTypeLayer(size) for _ in g.cache.layers]
-            g.eager = model.config._attn_implementation == "eager"
+            cache.layers = [OneTypeLayer(size) for _ in cache.layers]
+            g = StaticBuffers(rows, size, device, weights, cache, eager=attention == "eager")
 
         # the keys each row may read: its prompt's real tokens, then every generated one (the causal limit per step)
         g.keys[:, :width] = query_mask.bool()
         g.keys[:, width:] = True
+        # where each layer writes next: transformers' static layers keep their own count and ignore cache_position, so
+        # g.at (the position written, for the masks) follows it: the prefill's width, then one more per step
         for layer in g.cache.layers:
-            layer.cumulative_length.zero_()  # (where the layer writes next)
+            layer.cumulative_length.zero_()
         span = g.span[:width]
         # prefill, (rows, 1, width, size): each position reads its row's real keys up to it, and a padding position
         # itself: no row of the attention is empty, which some kernels answer with NaN, and NaN in a padding position's
@@ -1724,6 +1727,8 @@ class GraphDecoder:
                 use_cache=True,
                 logits_to_keep=1,
             )
+        except torch.OutOfMemoryError:
+            raise
         except Exception as e:  # noqa: BLE001 (a family that builds its own masks or biases: ALiBi's, say)
             if g.checked:
                 raise
@@ -1731,7 +1736,7 @@ class GraphDecoder:
             die(f"--cuda_graphs: this {kind} model cannot decode over a static cache ({reason}); train without it")
         token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, 0])
         tokens = [token]
-        g.position.copy_(query_mask.sum(1, keepdim=True) - 1)
+        g.position.copy_((query_mask.sum(1, keepdim=True) - 1).clamp(min=0))  # (generate()'s, an empty prompt too)
         g.at.fill_(width - 1)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         logprobs = []
@@ -1772,6 +1777,8 @@ class GraphDecoder:
             self.check(model, queries, query_mask, tokens, logprobs, temperature, kind)
             g.checked = True
         self.graphs[key] = g
+        while len(self.graphs) > self.kept:  # the least recently used goes, its cache and graph with it
+            self.graphs.pop(next(iter(self.graphs)))
         return tokens
 
     def record(self, g, step, kind):
@@ -1793,14 +1800,17 @@ class GraphDecoder:
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph, pool=self.pool), uncached():
                 g.outputs = step()
-        except RuntimeError as e:
-            reason = " ".join(str(e).split())[:200]
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a copy to the CPU or a sync inside the step, say)
+            reason = " ".join(str(e).split())[:200] or type(e).__name__
             die(f"--cuda_graphs: this {kind} model's decoding step cannot be captured ({reason}); train without it")
 
     @staticmethod
     def check(model, queries, query_mask, tokens, logprobs, temperature, kind):
         """Stop the run in one line unless the graph's logprob of each token it drew is the plain forward pass's (within
-        1e-2 in fp32; in bf16, rounding, the mean within 0.05: check_vllm_logprobs' bounds)."""
+        1e-2 in fp32; in bf16, autocast's or the model's own, rounding: the mean within 0.05, check_vllm_logprobs'
+        bounds)."""
         if not logprobs:
             return
         drawn = tokens[:, 1 : 1 + len(logprobs)]
@@ -1809,7 +1819,8 @@ class GraphDecoder:
         logits = forward(model, ids, mask).logits[:, queries.shape[1] : queries.shape[1] + drawn.shape[1]]
         plain = logprobs_from_logits(logits, drawn, temperature or 1.0)
         diff = (plain - torch.stack(logprobs, 1)).abs()
-        if (diff.mean() > 0.05) if torch.is_autocast_enabled(queries.device.type) else (diff.max() > 1e-2):
+        low = torch.is_autocast_enabled(queries.device.type) or next(model.parameters()).dtype != torch.float32
+        if (diff.mean() > 0.05) if low else (diff.max() > 1e-2):
             die(
                 f"--cuda_graphs: the captured decoding of this {kind} model differs from its plain forward pass (logprobs "
                 f"by up to {diff.max():.3g}); train without --cuda_graphs"
@@ -1817,20 +1828,23 @@ class GraphDecoder:
 
 
 class OneTypeLayer(StaticLayer):
-    """transformers' static cache layer, its values stored in the keys' type: under autocast a rotated key can come out
-    in float32 (the rotation follows the embeddings' precision) beside a bfloat16 value, where the static layer holds
-    one type (the attention, under autocast, casts both to bfloat16 as it would have)"""
+    """transformers' static cache layer, keys and values stored in the narrower of their two types: under autocast a
+    rotated key comes out in float32 (the rotation follows the embeddings' precision) beside a bfloat16 value, where the
+    static layer holds one type; autocast casts the key to bfloat16 for the attention anyway, so the numbers are
+    those of a dynamic cache"""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return super().update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
+        dtype = min(key_states.dtype, value_states.dtype, key=lambda d: d.itemsize)
+        return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
 
 class StaticBuffers:
     """A GraphDecoder graph's inputs, held where the graph reads them: each row's current token, position and uniform
     number, the cache position being written, and which of the cache's keys each row may read."""
 
-    def __init__(self, rows, size, device, weights):
-        self.weights, self.graph, self.outputs, self.checked = weights, None, None, False
+    def __init__(self, rows, size, device, weights, cache, eager):
+        self.weights, self.cache, self.eager = weights, cache, eager  # (eager attention: masks added to the scores)
+        self.graph, self.outputs, self.checked = None, None, False
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.uniform = torch.zeros(rows, device=device)

@@ -265,12 +265,12 @@ def test_generate_equals_a_greedy_full_forward(name, attn):
 def test_graph_decoder_draws_what_generate_draws(name, attn):
     """--cuda_graphs' decoding (GraphDecoder: a static KV cache and 4D masks, run here without the capture, which needs a
     GPU) against generate(): the same tokens from the same uniforms, greedy and at temperature 0.7, in fp32 and under
-    bf16 autocast, with left-padded prompts and a stop token, twice on one graph (its cache reset between calls); or one
-    line refusing the family
+    bf16 autocast, with left-padded prompts and a stop token, twice on one graph (its cache reset between calls), the
+    least recently used graph dropped; or one line refusing the family
     (a cache that is not a plain static one: sliding or chunked windows)."""
     model = build(name, attn)
     queries, qmask, *_ = batch(k=2)
-    decoder = infra.GraphDecoder(capture=False)
+    decoder = infra.GraphDecoder(capture=False, kept=2)
     uniforms = torch.rand(len(queries), 12, generator=torch.Generator().manual_seed(1))
     # (the third: the graph made by the second; the last under bf16 autocast, as the scripts sample with --bf16)
     for temperature, bf16 in [(0.0, False), (0.7, False), (0.7, False), (0.7, True)]:
@@ -285,7 +285,9 @@ def test_graph_decoder_draws_what_generate_draws(name, attn):
             return
         assert name not in GRAPH_REFUSED
         assert got.tolist() == expected.tolist()
-    assert len(decoder.graphs) == 3 and all(g.checked for g in decoder.graphs.values())
+    # the two most recently used graphs kept (the greedy one gone), each checked when made
+    assert [key[3:] for key in decoder.graphs] == [(0.7, None), (0.7, torch.bfloat16)]
+    assert all(g.checked for g in decoder.graphs.values())
 
 
 @pytest.mark.parametrize("name, attn", SUPPORTED)
