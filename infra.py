@@ -1816,8 +1816,11 @@ class GraphDecoder:
         drawn = tokens[:, 1 : 1 + len(logprobs)]
         ids = torch.cat([queries, tokens], 1)
         mask = torch.cat([query_mask, torch.ones_like(tokens)], 1)
-        logits = forward(model, ids, mask).logits[:, queries.shape[1] : queries.shape[1] + drawn.shape[1]]
-        plain = logprobs_from_logits(logits, drawn, temperature or 1.0)
+        plain = []
+        for rows in torch.arange(len(ids)).split(8):  # (a few rows at a time: the logits are rows x width x vocab)
+            logits = forward(model, ids[rows], mask[rows], logits_to_keep=tokens.shape[1]).logits[:, : drawn.shape[1]]
+            plain.append(logprobs_from_logits(logits, drawn[rows], temperature or 1.0))
+        plain = torch.cat(plain)
         diff = (plain - torch.stack(logprobs, 1)).abs()
         low = torch.is_autocast_enabled(queries.device.type) or next(model.parameters()).dtype != torch.float32
         if (diff.mean() > 0.05) if low else (diff.max() > 1e-2):
