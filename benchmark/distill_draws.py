@@ -16,6 +16,8 @@ Variants:
     ours_multinomial      torch.multinomial(softmax(logits / temperature)) on torch's global generator, as generate() does
     trl                   TRL's DistillationTrainer as is (transformers' generate())
     trl_inverse_cdf       TRL with utils.generate in place of its generate(): the inverse CDF, torch's global uniforms
+    trl_same_uniforms     the same from the uniforms distill.py draws (its data's generator, replayed here): `ours`,
+                          wherever TRL's loop is distill.py's and the two draw the same tokens
 
 Writes benchmark/results/distill_draws/{variant}/seed{N}.json; the trained student goes to a temporary folder."""
 
@@ -44,6 +46,7 @@ VARIANTS = [
     "ours_multinomial",
     "trl",
     "trl_inverse_cdf",
+    "trl_same_uniforms",
 ]
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--variant", choices=VARIANTS)
@@ -115,14 +118,21 @@ def train_trl(out):
     import utils
 
     trainer = distill_trainer(cli.model, cli.teacher, distill_config(output_dir=out, seed=cli.seed, updates=UPDATES))
-    if cli.variant == "trl_inverse_cdf":
+    if cli.variant in ("trl_inverse_cdf", "trl_same_uniforms"):
         (stop,) = trainer.eos_token_ids  # utils.generate stops at one token
         pad = trainer.processing_class.pad_token_id
+        # distill.py's prompts and noise (infra.draw_prompts): its data's generator shuffles, then draws each update's
+        # uniforms; TRL's sampler hands out the same prompts in the same order
+        data = infra.Shuffled(len(trainer.train_dataset), cli.seed)
 
         def sample(prompt_ids, images, multimodal_fields, has_tool_images=False):  # as TRL's: each one's ids to its EOS
             ids, mask = infra.left_pad([list(p) for p in prompt_ids], pad)
             model = trainer.accelerator.unwrap_model(trainer.model)
-            uniforms = torch.rand(len(ids), LENGTH)
+            if cli.variant == "trl_same_uniforms":
+                data.take(len(ids))
+                uniforms = torch.rand((len(ids), 1, LENGTH), generator=data.rng).reshape(len(ids), LENGTH)
+            else:
+                uniforms = torch.rand(len(ids), LENGTH)
             tokens = utils.generate(model, ids, mask, LENGTH, TEMPERATURE, stop_token_id=stop, uniforms=uniforms)
             tokens, lengths = infra.truncate_response(tokens, stop, pad)
             return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
