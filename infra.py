@@ -1732,8 +1732,7 @@ class GraphDecoder:
         except Exception as e:  # noqa: BLE001 (a family that builds its own masks or biases: ALiBi's, say)
             if g.checked:
                 raise
-            reason = " ".join(str(e).split())[:200] or type(e).__name__
-            die(f"--cuda_graphs: this {kind} model cannot decode over a static cache ({reason}); train without it")
+            die(f"--cuda_graphs: this {kind} model cannot decode over a static cache ({error_line(e)}); train without it")
         token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, 0])
         tokens = [token]
         g.position.copy_((query_mask.sum(1, keepdim=True) - 1).clamp(min=0))  # (generate()'s, an empty prompt too)
@@ -1803,16 +1802,12 @@ class GraphDecoder:
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 (a copy to the CPU or a sync inside the step, say)
-            reason = " ".join(str(e).split())[:200] or type(e).__name__
-            die(f"--cuda_graphs: this {kind} model's decoding step cannot be captured ({reason}); train without it")
+            die(f"--cuda_graphs: this {kind} model's decoding step cannot be captured ({error_line(e)}); train without it")
 
     @staticmethod
     def check(model, queries, query_mask, tokens, logprobs, temperature, kind):
-        """Stop the run in one line unless the graph's logprob of each token it drew is the plain forward pass's (within
-        1e-2 in fp32; in bf16, autocast's or the model's own, rounding: the mean within 0.05, check_vllm_logprobs'
-        bounds)."""
-        if not logprobs:
-            return
+        """Stop the run in one line unless the graph's logprob of each token it drew is the plain forward pass's
+        (logprobs_differ; bf16: autocast's or the model's own)."""
         drawn = tokens[:, 1 : 1 + len(logprobs)]
         ids = torch.cat([queries, tokens], 1)
         mask = torch.cat([query_mask, torch.ones_like(tokens)], 1)
@@ -1823,7 +1818,7 @@ class GraphDecoder:
         plain = torch.cat(plain)
         diff = (plain - torch.stack(logprobs, 1)).abs()
         low = torch.is_autocast_enabled(queries.device.type) or next(model.parameters()).dtype != torch.float32
-        if (diff.mean() > 0.05) if low else (diff.max() > 1e-2):
+        if logprobs_differ(diff, low):
             die(
                 f"--cuda_graphs: the captured decoding of this {kind} model differs from its plain forward pass (logprobs "
                 f"by up to {diff.max():.3g}); train without --cuda_graphs"
@@ -2965,13 +2960,19 @@ def check_vllm_engine(engine, model_type):
     engine.has_lm_head = all(engine.collective_rpc(has_lm_head))
 
 
+def logprobs_differ(diff, bf16):
+    """Whether two computations of the same logprobs disagree (diff: their absolute differences): in fp32 any by more
+    than 1e-2 (where they agree, they do within 1e-5); in bf16, which differs by rounding, their mean by more than 0.05
+    (rounding: about 0.01). The bound of --use_vllm's and --cuda_graphs' checks."""
+    return bool(diff.mean() > 0.05) if bf16 else bool(diff.max() > 1e-2)
+
+
 @torch.no_grad()
 def check_vllm_logprobs(engine, policy, model_type, bf16):
     """Stop the run in one line unless the engine, given the policy's weights, samples from the policy's distribution:
     its logprobs of 16 tokens it samples from two prompts against the policy's own. A family that vLLM computes or
     loads in place otherwise (an ALiBi or mixture-of-experts layer on vLLM's CPU build, say) is refused here. In fp32
-    every logprob must agree within 1e-2 (where they agree, they do within 1e-5); a bf16 engine differs by rounding,
-    so there only the mean difference is held, to 0.05 (rounding: about 0.01)."""
+    every logprob must agree (logprobs_differ)."""
     vllm_or_die(vllm_sync, model_type, engine, policy)
     device = next(policy.parameters()).device
     queries, mask = left_pad([[1, 2, 3, 4], [5, 6]], pad_token_id=0)
@@ -2983,7 +2984,7 @@ def check_vllm_logprobs(engine, policy, model_type, bf16):
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = forward(policy, ids, mask).logits[:, queries.shape[1] - 1 : -1]
     diff = (logprobs_from_logits(logits, responses.to(device)) - engine_logprobs.to(device)).abs()
-    if (diff.mean() > 0.05) if bf16 else (diff.max() > 1e-2):
+    if logprobs_differ(diff, bf16):
         die(
             f"--use_vllm: vLLM's logprobs of this {model_type} model differ from the trainer's (by up to {diff.max():.3g} "
             "with the same weights): it computes or loads the model otherwise; train without --use_vllm"
@@ -3001,8 +3002,12 @@ def vllm_or_die(fn, model_type, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (vLLM raises many kinds)
-        reason = " ".join(str(e).split())[:200] or type(e).__name__
-        die(f"--use_vllm: vLLM cannot run this {model_type} model ({reason}); train without --use_vllm")
+        die(f"--use_vllm: vLLM cannot run this {model_type} model ({error_line(e)}); train without --use_vllm")
+
+
+def error_line(e):
+    """an exception's message on one line (its type's name when it has none), cut to 200 characters, for die()"""
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 def vllm_sync(engine, model):
