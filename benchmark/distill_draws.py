@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -121,16 +122,16 @@ def train_trl(out):
     if cli.variant in ("trl_inverse_cdf", "trl_same_uniforms"):
         (stop,) = trainer.eos_token_ids  # utils.generate stops at one token
         pad = trainer.processing_class.pad_token_id
-        # distill.py's prompts and noise (infra.draw_prompts): its data's generator shuffles, then draws each update's
-        # uniforms; TRL's sampler hands out the same prompts in the same order
+        # trl_same_uniforms: distill.py's prompts and noise, replayed by infra.draw_prompts on the data distill.py
+        # shuffles (TRL's sampler hands out the same prompts in the same order)
         data = infra.Shuffled(len(trainer.train_dataset), cli.seed)
+        one = types.SimpleNamespace(world_size=1, response_length=LENGTH, response_length_min=None, use_vllm=False)
 
         def sample(prompt_ids, images, multimodal_fields, has_tool_images=False):  # as TRL's: each one's ids to its EOS
             ids, mask = infra.left_pad([list(p) for p in prompt_ids], pad)
             model = trainer.accelerator.unwrap_model(trainer.model)
             if cli.variant == "trl_same_uniforms":
-                data.take(len(ids))
-                uniforms = torch.rand((len(ids), 1, LENGTH), generator=data.rng).reshape(len(ids), LENGTH)
+                _, uniforms, _, _ = infra.draw_prompts(data, types.SimpleNamespace(**vars(one), local_prompts=len(ids)), 1, 0)
             else:
                 uniforms = torch.rand(len(ids), LENGTH)
             tokens = utils.generate(model, ids, mask, LENGTH, TEMPERATURE, stop_token_id=stop, uniforms=uniforms)

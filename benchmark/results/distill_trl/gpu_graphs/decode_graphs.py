@@ -13,9 +13,10 @@ from transformers import AutoModelForCausalLM
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from test_families import GRAPH_REFUSED, SUPPORTED, batch, build  # noqa: E402
+
 import infra  # noqa: E402
 import utils  # noqa: E402
-from test_families import FAMILIES, GRAPH_REFUSED, SUPPORTED, batch, build  # noqa: E402
 
 dev = torch.device("cuda")
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
