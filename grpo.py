@@ -12,7 +12,8 @@ The per-token losses l (mask m: the completion's real tokens; with --mask_trunca
 filter, none of a completion that never produced the stop token) are aggregated by --loss_type:
     grpo     mean over each completion's tokens, then over the micro-batch's completions (DeepSeekMath)
     bnpo     sum over the micro-batch's tokens / their number
-    dr_grpo  sum over the micro-batch's tokens / (its completions x response_length) (Dr. GRPO)
+    dr_grpo  sum over the micro-batch's tokens / (its completions x response_length; an episode's max_episode_tokens)
+             (Dr. GRPO)
     dapo     sum over tokens / the number of tokens in the optimiser step's global batch: all its micro-batches on all
              processes, so neither gradient accumulation nor the process count changes a token's weight (DAPO; the
              default, as in TRL 1.16's GRPOConfig)
@@ -291,7 +292,9 @@ def main(args):
                             per_token_loss,
                             mb_mask,
                             loss_type=loss_type,
-                            response_length=args.response_length,  # not max_length: one token weight every update
+                            # not max_length: one token weight every update; an episode's: its budget, as TRL's
+                            # max_completion_length covers every turn
+                            response_length=args.max_episode_tokens if args.environment else args.response_length,
                             dapo_tokens=dapo_tokens[mb],
                         )
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient
@@ -331,13 +334,15 @@ def main(args):
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
         policy.eval()
 
-        # the update's statistics, averaged over the processes as they are written
+        # the update's statistics, averaged over the processes as they are written; a completion's length is the
+        # tokens the policy sampled (an episode's observations not counted, as TRL)
+        lengths = (~padding_mask).sum(1)
         with torch.no_grad():
             stats.add(
                 **{
                     "frac_reward_zero_std": zero_std.float().mean(),
                     "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
-                    "completions/mean_length": batch.lengths.float().mean(),
+                    "completions/mean_length": lengths.float().mean(),
                     "val/ratio_var": stats.var("val/ratio"),
                 }
             )
@@ -350,7 +355,7 @@ def main(args):
             # TRL's names: the mean score of the batch's scored completions and their std, the lengths' range
             raw, scored = batch.raw_scores, batch.scored
             total, count = run.reduce_sum(torch.stack([raw.masked_fill(~scored, 0.0).sum(), scored.float().sum()])).tolist()
-            lengths = accelerator.gather(batch.lengths)
+            lengths = accelerator.gather(lengths)
             metrics = {"reward": total / max(count, 1.0), "reward_std": batch_std(raw[scored], run.reduce_sum).item()}
             metrics.update({"completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
         run.log(update, batch, stats, advantages, **metrics)  # metrics.jsonl, TensorBoard, wandb; samples, completions

@@ -6,6 +6,7 @@ transformers, datasets, TensorBoard, wandb, huggingface_hub, vLLM), and what the
 complete or absent, a resumed run's logs are cut back to its checkpoint, a resume that would change the run is refused.
 """
 
+import asyncio
 import copy
 import dataclasses
 import functools
@@ -25,9 +26,10 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -296,17 +298,19 @@ class GroupArgs(Checked):
 class EnvArgs(Checked):
     """Multi-turn episodes in an environment (docs/environments.md)."""
 
-    environment: Optional[str] = None
-    """'path/to/file.py:Class' or 'package.module:Class', one instance per episode: reset(**row) starts it from the
-    prompt's dataset row (every column, the prompt's included) and returns None or a text added to the prompt; then
-    either step(completion) -> (observation, reward, done), the observation the next user turn (a text environment),
-    or the class's public methods are tools the model calls through the chat template, get_reward() optional (TRL's
-    environment_factory). None: one completion per prompt"""
+    environment: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """'path/to/file.py:Class' or 'package.module:Class' (or any callable returning an instance: TRL's
+    environment_factory), one instance per episode: reset(**row) starts it from the prompt's dataset row and returns
+    None or a text added to the prompt; then a class that says text_environment = True is a text environment,
+    step(completion) -> (observation, reward, done), the observation the next user turn; any other offers its public
+    methods as tools through the chat template, get_reward() optional (TRL's form). Repeat as name=spec for several:
+    each row's `environment` column picks one (TRL's dict of environments). None: one completion per prompt"""
     max_turns: int = 4
-    """the most policy turns of an episode (each up to --response_length tokens)"""
+    """the most policy turns of an episode (each up to --response_length tokens): max_turns - 1 rounds of tool calls, as
+    TRL's max_tool_calling_iterations = max_turns - 1"""
     max_episode_tokens: Optional[int] = None
-    """the most tokens of an episode after its prompt, the policy's and the observations'; None: max_turns x
-    response_length"""
+    """the most tokens of an episode after its prompt, the policy's and the observations' (TRL's max_completion_length);
+    None: max_turns x response_length"""
 
     def __post_init__(self):
         if self.max_turns < 1 or (self.max_episode_tokens or 1) < 1:
@@ -586,20 +590,36 @@ def read_dataset(dataset_name, split):
 
 
 def load_prompts(
-    dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None, long_prompts="drop", raw=None
+    dataset_name,
+    split,
+    prompt_field,
+    tokenizer,
+    max_prompt_length,
+    reference_field=None,
+    long_prompts="drop",
+    raw=None,
+    env=None,
 ):
     """(token-id lists, prompt texts, reference completions (reference_field, stripped; None without it), the rows'
-    other columns {name: list}). Chat messages go through the tokenizer's chat template with the generation prompt,
-    strings are tokenized as they are. Prompts over max_prompt_length tokens are dropped, or with
+    other columns {name: list}). Chat messages go through the tokenizer's chat template with the generation prompt
+    (and with env, --environment's Environments, the schemas of the tools the row's environment offers), strings are
+    tokenized as they are. Prompts over max_prompt_length tokens, as the model reads them, are dropped, or with
     long_prompts="truncate" keep their last max_prompt_length tokens (still ending with their cue)."""
     ds = read_dataset(dataset_name, split)
     for field, flag in [(prompt_field, "--prompt_field"), (reference_field, "--reference_field")]:
         if field is not None and field not in ds.column_names:
             die(f"dataset {dataset_name!r} (split {split!r}) has no column {field!r} (columns: {ds.column_names}); set {flag}")
     references = ds[reference_field] if reference_field else [None] * len(ds)
+    kinds = [None] * len(ds)
+    if env is not None:
+        names = ds["environment"] if "environment" in ds.column_names else None
+        kinds = env.row_kinds(names, len(ds), f"dataset {dataset_name!r} (split {split!r})")
     queries, texts, refs, kept = [], [], [], []
-    for row, (value, ref) in enumerate(zip(ds[prompt_field], references)):
-        ids, text = prompt_ids(tokenizer, value, prompt_field)
+    for row, (value, ref, kind) in enumerate(zip(ds[prompt_field], references, kinds)):
+        tools = env.schemas(kind) if kind is not None else None
+        if tools and not isinstance(value, list):
+            die(f"{kind['name']}'s tools reach the model through the chat template: the prompts must be chat messages")
+        ids, text = prompt_ids(tokenizer, value, prompt_field, tools)
         if reference_field and not isinstance(ref, str):
             die(f"column {reference_field!r} must hold strings, got {type(ref).__name__}")
         if long_prompts == "truncate":
@@ -617,13 +637,13 @@ def load_prompts(
     return queries, texts, refs, columns
 
 
-def prompt_ids(tokenizer, value, field):
+def prompt_ids(tokenizer, value, field, tools=None):
     """A prompt's (token ids, text): chat messages through the tokenizer's chat template with the generation prompt
-    (the text: the last message's), a string tokenized as it is."""
+    (and the tools' schemas; the text: the last message's), a string tokenized as it is."""
     if isinstance(value, list):
         if tokenizer.chat_template is None:
             die(f"column {field!r} holds chat messages but the tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(value, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
         return ids, value[-1]["content"]
     if isinstance(value, str):
         return tokenizer(value, add_special_tokens=False)["input_ids"], value
@@ -718,8 +738,9 @@ def load_reward_fn(spec, columns):
         die(f"--reward_fn {spec!r} must be {', '.join(map(repr, BUILTIN_REWARDS))}, 'file.py:function' or 'module:function'")
     else:
         fn = load_object(spec, "--reward_fn")
-    # fn(prompts, completions, **columns): the parameters after the first two that have no default must be columns
-    params = list(inspect.signature(fn).parameters.values())[2:]
+    # the parameters that have no default, besides the prompts and completions, must be columns
+    params = list(inspect.signature(fn).parameters.values())
+    params = [p for p in params if p.name not in ("prompts", "completions")] if by_keyword(fn) else params[2:]
     missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     missing = [name for name in missing if name not in columns]
     if missing:
@@ -736,8 +757,9 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
     models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
     fns = []
     rewarded = reward_model_paths or (env is not None and env.rewarded)
-    if env is not None:  # in an episode the functions may also read the whole conversation
-        columns = {**columns, "messages": None}
+    columns = {**columns, "completion_ids": None}  # (each completion's token ids, as TRL passes them)
+    if env is not None:  # in an episode the functions may also read the whole conversation and the live environments
+        columns = {**columns, "messages": None, "environments": None}
     for spec in list(args.reward_fn) or ([] if rewarded or default is None else [default]):
         fn = load_reward_fn(spec, columns)
         fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
@@ -758,8 +780,8 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
         rm_tokenizer = load_tokenizer(source["path"], args.trust_remote_code)
         source["model"] = model.eval().requires_grad_(False)
         source["tokenizer"] = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: our tokens
-    if env is not None and env.rewarded:  # the environment's reward, with weight 1 (as TRL), named after its class
-        sources.append({"name": env.name, "weight": 1.0, "env": True})
+    if env is not None:  # each environment class's reward, with weight 1 (as TRL), named after the class
+        sources += [{"name": name, "weight": 1.0, "env": j} for j, name in enumerate(env.names)]
     return sources
 
 
@@ -863,12 +885,25 @@ def accuracy_reward(prompts, completions, answer, **columns):
 BUILTIN_REWARDS = {"sentiment": sentiment_reward, "accuracy": accuracy_reward}
 
 
+def by_keyword(fn):
+    """Whether fn takes the prompts and completions by keyword, as TRL passes them: it names `completions` (first, as
+    TRL's f(completions, **kwargs), or beside `prompts`), or has no positional parameter at all (f(**kwargs)); else
+    they are its first two arguments (f(p, c, **columns))"""
+    params = inspect.signature(fn).parameters
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = [n for n in positional if params[n].kind == params[n].POSITIONAL_OR_KEYWORD]
+    return not positional or "completions" in named and ("prompts" in named or positional[0] == "completions")
+
+
 def call_reward_fn(fn, prompts, completions, columns):
-    """fn(prompts, completions, **columns): every column to a function taking **kwargs, else the columns it names."""
+    """fn(prompts=..., completions=..., **columns) (positionally, fn(prompts, completions, **columns), where it names
+    neither): every column to a function taking **kwargs, else the columns it names. An async function is awaited."""
     params = inspect.signature(fn).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         columns = {k: v for k, v in columns.items() if k in params}
-    return fn(list(prompts), list(completions), **columns)
+    if by_keyword(fn):
+        return awaited(fn(prompts=list(prompts), completions=list(completions), **columns))
+    return awaited(fn(list(prompts), list(completions), **columns))
 
 
 def check_rewards(values, n, source):
@@ -916,12 +951,12 @@ def get_scores(
     env_rewards=None,
 ):  # fmt: skip
     """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
-    the prompt texts, the completions (None: the responses decoded) and the rows' other columns ({name: list}); the
-    environment's source, env_rewards."""
+    the prompt texts, the completions (None: the responses decoded), the rows' other columns ({name: list}) and the
+    completions' token ids (completion_ids, as TRL); the environments' sources, env_rewards (env sources, batch)."""
     rows = []
     for source in sources:
         if "env" in source:
-            rows.append(env_rewards.float())
+            rows.append(env_rewards[source["env"]].float())
             continue
         if "model" in source:
             scores = rm_scores(
@@ -938,6 +973,9 @@ def get_scores(
             continue
         if completions is None:
             completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        if "completion_ids" not in columns:  # (TRL's keyword: each completion's tokens, an episode's every token)
+            responses = query_responses[:, context_length:].tolist()
+            columns = {**columns, "completion_ids": [r[:n] for r, n in zip(responses, lengths.tolist())]}
         values = call_reward_fn(source["fn"], prompts, completions, columns)
         values = check_rewards(values, len(completions), f"function {source['name']}")
         rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
@@ -1082,115 +1120,221 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 
 
 class Environments:
-    """--environment's class, one instance per episode. A text environment has step(completion) -> (observation, reward,
-    done); a tool environment (TRL's environment_factory) has public methods, offered to the model as tools through the
-    chat template, whose calls in a turn are run and answered with tool messages (a call that raises is answered with
-    its error), until a turn calls none; get_reward(), if it has one, scores the episode. Each observation's tokens are
-    what the chat template adds for that message after the turn (or, for prompts that are plain text, the observation
-    tokenized as it is): the history is never re-rendered."""
+    """--environment's environments, one instance per episode (an environment_factory: a class, or any callable
+    returning an instance). A text environment (its class says text_environment = True) has step(completion) ->
+    (observation, reward, done); any other is a tool environment (TRL's environment_factory), whose public methods
+    (but reset and get_reward) are tools offered to the model through the chat template, a turn's calls run and
+    answered with tool messages (a call that raises is answered with its error), until a turn calls none;
+    get_reward(), if it has one, scores the episode. Methods and get_reward may be async (awaited, as TRL does). With
+    several, named (--environment name=spec), each dataset row's `environment` column picks its own, and its prompt
+    offers that one's tools only. Each observation's tokens are what the chat template adds for that message after the
+    turn's stop token (or, for prompts that are plain text, the observation tokenized as it is): the history is never
+    re-rendered. Each episode draws from Python's random as a stream of its own, seeded per prompt; the process's
+    stream is left as it was."""
 
-    def __init__(self, spec, tokenizer):
-        cls = load_object(spec, "--environment")
-        if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
-            die(f"--environment {spec!r} must be a class with a reset(**row) method")
-        self.cls, self.name, self.tokenizer = cls, cls.__name__, tokenizer
-        self.text = callable(getattr(cls, "step", None))
+    def __init__(self, specs, tokenizer, stop_token_id):
+        self.tokenizer, self.stop_token_id = tokenizer, stop_token_id
+        named = [spec.partition("=")[0] if "=" in spec.split(":")[0] else None for spec in specs]
+        if len(specs) > 1 and None in named:
+            die("several --environment flags must each be name=spec: a dataset row's `environment` column picks one")
+        if len(set(named)) < len(named):
+            die(f"--environment names must differ, got {named}")
+        self.multi = named[0] is not None  # rows pick their environment by their `environment` column (TRL's dict)
+        self.kinds = {}  # name (None: the only one) -> the environment's kind: its factory, class, tools, reward
+        for key, spec in zip(named, specs):
+            self.kinds[key] = self.kind(spec.partition("=")[2] if key is not None else spec)
+        # one reward source per class that gives rewards (as TRL: a class under two names is one source)
+        self.rewarded = list(dict.fromkeys(kind["cls"] for kind in self.kinds.values() if kind["rewarded"]))
+        self.names = [cls.__name__ for cls in self.rewarded]
+        self.tools = any(kind["tools"] for kind in self.kinds.values())
+
+    def kind(self, spec):
+        """An environment's factory, class, convention, tools and whether it gives rewards, checked on one instance"""
+        factory = load_object(spec, "--environment")
+        probe = factory()
+        cls = type(probe)
+        if not callable(getattr(probe, "reset", None)):
+            die(f"--environment {spec!r} must make instances with a reset(**row) method")
+        text = getattr(cls, "text_environment", False) is True
         public = [n for n, _ in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
-        self.tools = [] if self.text else [n for n in public if n not in ("reset", "get_reward")]
-        self.rewarded = self.text or "get_reward" in public
-        if not self.text and not self.tools:
-            die(f"--environment {spec!r} has neither step() (a text environment) nor public methods (tools)")
-        if self.tools:
+        tools = [] if text else [n for n in public if n not in ("reset", "get_reward")]
+        if text and not callable(getattr(probe, "step", None)):
+            die(f"--environment {spec!r} says text_environment = True but has no step(completion) method")
+        if not text and not tools:
+            die(
+                f"--environment {spec!r} has no public methods to offer as tools; a text environment, with "
+                "step(completion) -> (observation, reward, done), says so with text_environment = True on its class"
+            )
+        if tools:
             from transformers.utils import get_json_schema
 
-            probe = cls()
-            for name in self.tools:
+            for name in tools:
                 try:
                     get_json_schema(getattr(probe, name))
                 except Exception as e:  # the chat template needs each tool's schema: its type hints and docstring
-                    die(f"--environment's tool {name!r} has no schema for the chat template: {e}")
+                    hint = " (a text environment says so with text_environment = True)" if name == "step" else ""
+                    die(f"--environment's tool {name!r} has no schema for the chat template: {e}{hint}")
             sentinel = "tool_sentinel_3f9a"
             calls = [{"type": "function", "function": {"name": sentinel, "arguments": {}}}]
             chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-            if tokenizer.chat_template is None or sentinel not in tokenizer.apply_chat_template(chat, tokenize=False):
-                die(f"{self.name}'s tools need a chat template that renders tool calls; the tokenizer's does not")
+            template = self.tokenizer.chat_template
+            if template is None or sentinel not in self.tokenizer.apply_chat_template(chat, tokenize=False):
+                die(f"{cls.__name__}'s tools need a chat template that renders tool calls; the tokenizer's does not")
+        rewarded = text or "get_reward" in public
+        # pool: the instances, each made once and reset for each episode (TRL's "construct once, reset often")
+        return dict(factory=factory, cls=cls, name=cls.__name__, text=text, tools=tools, rewarded=rewarded, pool=[probe])
+
+    def row_kinds(self, names, n, where):
+        """The environment kind of each of n rows: with several, named by the rows' `environment` column (names; None:
+        the rows have none), a row without a known name stopping the run in one line naming `where`"""
+        if not self.multi:
+            return [self.kinds[None]] * n
+        if names is None:
+            die(f"{where} has no `environment` column to pick each row's environment from {sorted(self.kinds)}")
+        unknown = sorted(set(map(str, names)) - set(self.kinds))
+        if unknown:
+            die(f"{where}'s `environment` column names {unknown}, not among the environments {sorted(self.kinds)}")
+        return [self.kinds[name] for name in names]
+
+    def schemas(self, kind, env=None):
+        """the tools an episode's prompt offers: its instance's tool methods (the probe's before it has one), or None"""
+        return [getattr(env if env is not None else kind["pool"][0], n) for n in kind["tools"]] or None
+
+    def render(self, prompt, tools=None):
+        """a prompt's token ids as the model reads them: chat messages through the chat template with the tools' schemas
+        and the assistant's cue, a text tokenized as it is"""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(self.tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, return_dict=False))
+
+    @contextmanager
+    def stream(self, i):
+        """Python's random as episode i's own stream for a call into its environment, the process's put back after"""
+        outside = random.getstate()
+        random.setstate(self.streams[i])
+        try:
+            yield
+        finally:
+            self.streams[i] = random.getstate()
+            random.setstate(outside)
 
     def start(self, prompts, rows, seeds):
-        """A new instance per episode, reset from its dataset row (Python's random seeded with the episode's seed, so that
-        an environment drawing from it is the same on any number of processes and in a resumed run). prompts: each
-        episode's prompt as the dataset holds it (chat messages or text). Returns each episode's prompt tokens."""
-        self.live, self.rewards, self.calls, self.failures, self.messages = [], [], [], [], []
-        ids = []
-        for prompt, row, seed in zip(prompts, rows, seeds):
-            random.seed(seed)
-            env = self.cls()
-            extra = env.reset(**row)
+        """An instance per episode (the i-th episode of an environment gets its i-th instance, made the first time one
+        is needed, as TRL keeps a pool), reset from its dataset row (every column, and the prompt as `prompt`, as TRL
+        passes it; with several environments, all but `environment`), its random stream seeded with the episode's seed
+        (so that an environment drawing from Python's random is the same on any number of processes and in a resumed
+        run). prompts: each episode's prompt as the dataset holds them (chat messages or text). Returns each episode's
+        prompt tokens, the tools' schemas and reset()'s text included."""
+        self.live, self.episode_kinds, self.streams, self.messages, self.ids = [], [], [], [], []
+        names = [row.get("environment") for row in rows] if rows and "environment" in rows[0] else None
+        kinds = self.row_kinds(names, len(rows), "the dataset")
+        taken = {id(kind): 0 for kind in kinds}  # each environment's instances handed out so far
+        for i, (prompt, row, seed, kind) in enumerate(zip(prompts, rows, seeds, kinds)):
+            self.streams.append(random.Random(seed).getstate())
+            row = {"prompt": prompt, **row}
+            if self.multi:
+                row = {name: value for name, value in row.items() if name != "environment"}
+            with self.stream(i):
+                if taken[id(kind)] == len(kind["pool"]):
+                    kind["pool"].append(kind["factory"]())
+                env = kind["pool"][taken[id(kind)]]
+                taken[id(kind)] += 1
+                extra = env.reset(**row)
             prompt = copy.deepcopy(prompt)
             if extra and isinstance(prompt, str):
                 prompt += extra
             elif extra:  # as TRL: added to the last message
                 prompt[-1]["content"] += extra
-            if isinstance(prompt, str):
-                ids.append(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                prompt = [{"role": "user", "content": prompt}]
-            else:
-                tools = [getattr(env, n) for n in self.tools] or None
-                rendered = self.tokenizer.apply_chat_template(
-                    prompt, tools=tools, add_generation_prompt=True, return_dict=False
-                )
-                ids.append(list(rendered))
+            self.ids.append(self.render(prompt, self.schemas(kind, env)))
             self.live.append(env)
-            self.rewards.append(0.0)
-            self.calls.append(0)
-            self.failures.append(0)
-            self.messages.append(prompt)
-        self.plain = prompts and isinstance(prompts[0], str)
-        return ids
+            self.episode_kinds.append(kind)
+            self.messages.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
+        n = len(prompts)
+        self.calls, self.failures = [0] * n, [0] * n
+        self.rewards = [[math.nan] * n for _ in self.rewarded]  # (sources, episodes): NaN where another class's episode
+        for i, kind in enumerate(kinds):
+            if kind["text"]:
+                self.rewards[self.rewarded.index(kind["cls"])][i] = 0.0
+        self.plain = bool(prompts) and isinstance(prompts[0], str)
+        return [list(ids) for ids in self.ids]
 
-    def respond(self, rows, turns):
-        """utils.episodes' respond: each row's turn (token ids) to its environment; the observation's tokens, or None when
-        the episode is over"""
-        out = []
-        for i, turn in zip(rows, turns):
-            env, text = self.live[i], self.tokenizer.decode(turn, skip_special_tokens=True)
+    def respond(self, rows, turns, last):
+        """utils.episodes' respond: each row's turn (token ids) to its environment; the observation's tokens, or None
+        where the episode is over. A row's last turn (last: a bound ends the episode after it) runs no tool: its
+        answer only says whether the environment would go on (a text environment's step still runs: it gives the
+        reward). The async tools of all rows are awaited together."""
+        out, pending = [], []  # pending: (row, the tool messages, their results' places) of async calls
+        for i, turn, end in zip(rows, turns, last):
+            env, kind = self.live[i], self.episode_kinds[i]
+            text = self.tokenizer.decode(turn, skip_special_tokens=True)
             self.messages[i].append({"role": "assistant", "content": text})
-            if self.text:
-                observation, reward, done = env.step(text)
-                self.rewards[i] += float(reward or 0.0)
+            prefix, self.ids[i] = self.ids[i], self.ids[i] + list(turn)
+            if kind["text"]:
+                with self.stream(i):
+                    observation, reward, done = awaited(env.step(text))
+                self.rewards[self.rewarded.index(kind["cls"])][i] += float(reward or 0.0)
                 if done or observation is None:
                     out.append(None)
-                    continue
-                messages = [{"role": "user", "content": str(observation)}]
-            else:
-                calls = parse_tool_calls(self.tokenizer, self.tokenizer.decode(turn, skip_special_tokens=False))
-                if not calls:  # the answer: the episode is over
-                    out.append(None)
-                    continue
-                messages = []
-                for name, arguments in calls:
-                    self.calls[i] += 1
-                    try:
-                        if name not in self.tools:
-                            raise ValueError(f"no tool {name!r}")
+                elif end:  # it would go on; a bound does not
+                    out.append([])
+                else:
+                    out.append([{"role": "user", "content": str(observation)}])
+                continue
+            calls = parse_tool_calls(self.tokenizer, turn, prefix, self.schemas(kind, env))
+            if not calls:  # the answer: the episode is over
+                out.append(None)
+                continue
+            if end:  # a call, which the bound leaves unanswered (TRL runs no tool at its iteration limit)
+                out.append([])
+                continue
+            messages = []
+            for name, arguments in calls:
+                self.calls[i] += 1
+                messages.append({"role": "tool", "name": str(name), "content": None})
+                try:
+                    if name not in kind["tools"]:
+                        raise ValueError(f"no tool {name!r}")
+                    with self.stream(i):
                         result = getattr(env, name)(**arguments)
-                    except Exception as e:  # the model's mistake is an observation, not a crash
-                        self.failures[i] += 1
-                        result = {"error": str(e)}
-                    messages.append({"role": "tool", "name": str(name), "content": str(result)})
+                except Exception as e:  # the model's mistake is an observation, not a crash
+                    result = e
+                if inspect.isawaitable(result):
+                    pending.append((i, messages[-1], result))
+                else:
+                    self.answer(i, messages[-1], result)
+            out.append(messages)
+        if pending:
+            for (i, message, _), result in zip(pending, run_async([p[2] for p in pending])):
+                self.answer(i, message, result)
+        observations = []
+        for i, messages in zip(rows, out):
+            if not messages:  # None, or [] at a bound
+                observations.append(messages)
+                continue
             self.messages[i] += messages
-            out.append(self.observation_ids(messages))
-        return out
+            ids = self.observation_ids(messages)
+            self.ids[i] += ids
+            observations.append(ids)
+        return observations
+
+    def answer(self, i, message, result):
+        """a tool's result into its message: an exception (the call raised) as {'error': ...}, counted as failed"""
+        if isinstance(result, Exception):
+            self.failures[i] += 1
+            result = {"error": str(result)}
+        message["content"] = str(result)
 
     def observation_ids(self, messages):
-        """The tokens the chat template adds for messages after an assistant turn that ended with its stop token, with
-        the cue of the next assistant turn; for plain-text prompts, the observation's text tokenized"""
+        """The tokens the chat template adds for messages after an assistant turn that ended with the run's stop token,
+        with the cue of the next assistant turn; for plain-text prompts, the observation's text tokenized"""
         if self.plain:
             return self.tokenizer("".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
         calls = [{"type": "function", "function": {"name": m.get("name", "x"), "arguments": {}}} for m in messages]
-        assistant = {"role": "assistant", "content": "y", **({"tool_calls": calls} if self.tools else {})}
+        tool = messages[0]["role"] == "tool"
+        assistant = {"role": "assistant", "content": "y", **({"tool_calls": calls} if tool else {})}
         before = self.apply([{"role": "user", "content": "x"}, assistant], False)
         after = self.apply([{"role": "user", "content": "x"}, assistant, *messages], True)
-        stop = self.tokenizer.eos_token_id
+        stop = self.stop_token_id
         if stop in before:  # the turn ends at its stop token; what the template puts after it is the observation's
             before = before[: len(before) - before[::-1].index(stop)]
         if after[: len(before)] != before:
@@ -1203,32 +1347,75 @@ class Environments:
     def apply(self, messages, cue):
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=cue, tokenize=True, return_dict=False))
 
-    def finish(self, cut):
-        """the episodes' environment rewards (summed step rewards, or get_reward()), tool calls and failed calls; the
-        conversation of an episode cut off ends with the policy's last turn (its last observation was not appended)"""
-        for messages, ended in zip(self.messages, cut):
-            while ended and messages[-1]["role"] != "assistant":
+    def finish(self):
+        """The episodes' environment rewards (sources, episodes) (a text environment's summed step rewards; a tool
+        environment's get_reward(), awaited if async; NaN for another class's episodes), tool calls and failed calls.
+        Each conversation ends with the policy's last turn (an observation a bound left out is dropped)."""
+        for messages in self.messages:
+            while messages[-1]["role"] != "assistant":
                 messages.pop()
-        if not self.text and self.rewarded:
-            self.rewards = [float(env.get_reward()) for env in self.live]
+        scored = [(i, kind) for i, kind in enumerate(self.episode_kinds) if not kind["text"] and kind["cls"] in self.rewarded]
+        values = []
+        for i, _ in scored:
+            with self.stream(i):
+                values.append(self.live[i].get_reward())
+        if any(inspect.isawaitable(v) for v in values):
+            values = run_async([v if inspect.isawaitable(v) else as_coroutine(v) for v in values], raise_errors=True)
+        for (i, kind), value in zip(scored, values):
+            self.rewards[self.rewarded.index(kind["cls"])][i] = math.nan if value is None else float(value)
         return self.rewards, self.calls, self.failures
 
 
-def parse_tool_calls(tokenizer, text):
-    """The tool calls of a turn as [(name, arguments)]: the tokenizer's own parser (transformers' parse_response) where
-    it has one, else Hermes's <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Qwen's format); a block
-    that is not such JSON is a call to no tool, answered with an error"""
-    if getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None):
-        calls = tokenizer.parse_response(text).get("tool_calls") or []
-        return [(c["function"]["name"], c["function"].get("arguments") or {}) for c in calls]
+def parse_tool_calls(tokenizer, turn, prefix, tools):
+    """A turn's tool calls as [(name, arguments)]: with the tokenizer's own parser where it has a response_template
+    (transformers' parse_response, given the context before the turn and the tools, whose schemas type the arguments:
+    "7" becomes 7 for an integer; a turn it cannot parse, or with a call that has no name, calls nothing, as TRL), else
+    Hermes's <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Qwen's format), one that is not such JSON
+    a call to no tool, answered with an error. turn, prefix: token ids."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        try:
+            calls = tokenizer.parse_response(list(turn), prefix=list(prefix), tools=tools).get("tool_calls") or []
+            calls = [call.get("function", call) for call in calls]  # (nested under "function", or flat)
+            if not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in calls):
+                return []  # a call without a name: as TRL, the turn calls nothing
+        except (ValueError, TypeError, AttributeError):
+            return []
+        return [(call["name"], call.get("arguments") or {}) for call in calls]
     calls = []
-    for block in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
+    for block in re.findall(r"<tool_call>(.*?)</tool_call>", tokenizer.decode(turn, skip_special_tokens=False), re.S):
         try:
             call = json.loads(block)
             calls.append((call["name"], dict(call.get("arguments") or {})))
         except (ValueError, KeyError, TypeError):
             calls.append((None, {}))
     return calls
+
+
+LOOP = None  # the event loop of run_async, in a thread of its own
+
+
+def run_async(awaitables, raise_errors=False):
+    """Await awaitables together on one event loop kept for the run (started once, in a thread, so that what an
+    environment binds to its loop lives on, as TRL's daemon loop): their results in order, an exception in place of a
+    result that raised (raise_errors: raised)"""
+    global LOOP
+    if LOOP is None:
+        LOOP = asyncio.new_event_loop()
+        threading.Thread(target=LOOP.run_forever, daemon=True).start()
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=not raise_errors)
+
+    return asyncio.run_coroutine_threadsafe(gather(), LOOP).result()
+
+
+async def as_coroutine(value):
+    return value
+
+
+def awaited(value):
+    """value, or what it resolves to where it is awaitable (an async method's coroutine)"""
+    return run_async([value], raise_errors=True)[0] if inspect.isawaitable(value) else value
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1302,6 +1489,18 @@ class Sampler:
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
             self.engine = vllm_engine(accelerator, args, self.unwrapped())
         self.decode = GraphDecoder() if args.cuda_graphs else generate  # (checked by start)
+        # the most tokens an episode's context may hold, its prompt included: the model's positions, and the episode's
+        # whole budget (the engine's length, with or without an engine: the same episodes either way)
+        limits = [getattr(self.unwrapped().config.get_text_config(), "max_position_embeddings", None)]
+        limits += [args.max_prompt_length + args.max_episode_tokens] if self.env is not None else []
+        limits += [self.engine.llm_engine.model_config.max_model_len] if self.engine is not None else []
+        self.context = min([n for n in limits if n], default=None)
+        queries = run.queries + (run.eval_set[0] if run.eval_set is not None else [])
+        if self.env is not None and self.context is not None and max(map(len, queries)) >= self.context:
+            die(
+                f"a prompt is {max(map(len, queries))} tokens as the model reads it (the tools' schemas included), which "
+                f"leaves an episode no room in the model's {self.context} positions: lower --max_prompt_length"
+            )
         run.sampler = self
 
     def unwrapped(self):
@@ -1366,7 +1565,7 @@ class Sampler:
         """k completions (or episodes) of each of the prompts idx, scored: a dict of the rows' prompt token ids, texts,
         dataset columns, responses (rows, width) (with --environment the whole episodes), lengths, every source's
         scores (sources, rows), the engine's logprobs (or None), which tokens the policy sampled (rows, width), and with
-        --environment each episode's (turns, cut off, tool calls, failed calls) (rows, 4) and conversation."""
+        --environment each episode's (turns, cut off, capped, tool calls, failed calls) (rows, 5) and conversation."""
         run, k = self.run, self.k
         ids = [run.queries[i] for i in idx for _ in range(k)]
         texts = [run.texts[i] for i in idx for _ in range(k)]
@@ -1400,8 +1599,12 @@ class Sampler:
             messages=messages,
         )  # fmt: skip
 
-    def complete(self, queries, query_mask, uniforms, seeds, max_length, k=None, group=None, temperature=None, engine=True):
-        """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm"""
+    def complete(
+        self, queries, query_mask, uniforms, seeds, max_length, k=None, group=None, temperature=None, engine=True, room=None
+    ):
+        """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm; room (an episode's turn): each
+        prompt's most tokens, which its context holds (the engine is asked no more; the scripts' sampler draws up to
+        max_length, a row's tokens past its room thrown away, their positions held at the context's last)"""
         return sample_completions(
             self.unwrapped(),
             self.engine if engine else None,
@@ -1418,16 +1621,19 @@ class Sampler:
             group=group or self.group,
             synced=zero3(self.run.accelerator),
             decode=self.decode,
+            room=room,
+            max_position=None if room is None or self.context is None else self.context - 1,
         )
 
     def play(self, prompts, rows, env_seeds, uniforms, seeds, max_length, k=None, temperature=None, engine=True):
         """--environment: k episodes of each prompt (utils.episodes; prompts as the dataset holds them, rows their dataset
-        rows, the prompt's column included, as TRL passes them), each environment reset from its prompt's row with
-        Python's random seeded by env_seeds (one per prompt: a prompt's k episodes start alike, so that they make a
-        group). uniforms (rows, max_turns x
-        response_length): each turn's sampling noise (None: torch's generator); seeds: the engine's, one per prompt.
-        Returns the rows' prompt token ids, episodes (rows, width), their lengths (observations included), which tokens
-        the policy sampled, the engine's logprobs (or None) and (turns, cut off, tool calls, failed calls) (rows, 4)."""
+        rows, the prompt's column included, as TRL passes them), each environment reset from its prompt's row, its
+        random stream seeded by env_seeds (one per prompt: a prompt's k episodes start alike, so that they make a
+        group). uniforms (rows, max_turns x response_length): each turn's sampling noise (None: torch's generator);
+        seeds: the engine's, one per prompt. An episode's context (prompt and tokens) stays within self.context, the
+        model's positions and the engine's length. Returns the rows' prompt token ids, episodes (rows, width), their
+        lengths (observations included), which tokens the policy sampled, the engine's logprobs (or None) and (turns,
+        cut off, capped, tool calls, failed calls) (rows, 5)."""
         run, args, k = self.run, self.args, k or self.k
         prompts = self.env.start(
             [p for p in prompts for _ in range(k)],
@@ -1436,29 +1642,43 @@ class Sampler:
         )
         if any(prompts[j] != prompts[j - j % k] for j in range(len(prompts))):
             die("--environment's reset() gave a prompt's episodes different prompts; a group must share its prompt")
+        longest = max(map(len, prompts), default=0)
+        if self.context is not None and longest >= self.context:
+            die(
+                f"an episode's prompt is {longest} tokens (the tools' schemas and reset()'s text included), which leaves "
+                f"no room in a context of {self.context} (the model's positions, or --max_prompt_length + "
+                "--max_episode_tokens): shorten reset()'s text or raise --max_episode_tokens"
+            )
         pad, stride = run.tokenizer.pad_token_id, args.response_length
 
-        def sample(rows, seqs, turn):
+        def sample(rows, seqs, turn, room):
             queries, query_mask = (x.to(run.device) for x in left_pad(seqs, pad))
-            noise = uniforms[rows, turn * stride : turn * stride + max_length] if uniforms is not None else None
+            # up to the largest room (under ZeRO-3, where each process takes the others' decoding steps, max_length),
+            # a row's tokens past its own thrown away
+            length = max_length if zero3(run.accelerator) else min(max_length, max(room))
+            noise = uniforms[rows, turn * stride : turn * stride + length] if uniforms is not None else None
             if turn == 0 and len(rows) == len(prompts):  # every episode's first turn: k completions of each prompt
                 group = k if self.chunk % k == 0 else 1
-                return self.complete(queries, query_mask, noise, seeds, max_length, k, group, temperature, engine)
-            # one completion of each row, which the engine seeds by its prompt's seed, the turn and the row
-            row_seeds = None if seeds is None else [(int(seeds[r // k]) + 7919 * turn + r) % 2**31 for r in rows]
-            return self.complete(queries, query_mask, noise, row_seeds, max_length, 1, 1, temperature, engine)
+                room = [min(length, r) for r in room[::k]]
+                return self.complete(queries, query_mask, noise, seeds, length, k, group, temperature, engine, room)
+            # one completion of each row, which the engine seeds by its prompt's seed, the turn and the row's place in
+            # its group (so that a row's seed is the same whichever process plays it)
+            row_seeds = None if seeds is None else [(int(seeds[r // k]) + 7919 * turn + r % k) % 2**31 for r in rows]
+            room = [min(length, r) for r in room]
+            return self.complete(queries, query_mask, noise, row_seeds, length, 1, 1, temperature, engine, room)
 
-        tokens, policy, engine_logprobs, turns, cut = episodes(
+        tokens, policy, engine_logprobs, turns, cut, capped = episodes(
             sample,
             prompts,
             self.env.respond,
             max_turns=args.max_turns,
             max_tokens=args.max_episode_tokens,
             stop_token_id=run.stop_token_id,
+            context=self.context,
             reduce=(lambda n: run.reduce_sum(torch.tensor(n, device=run.device)).item()) if zero3(run.accelerator) else None,
         )
-        rewards, calls, failures = self.env.finish(cut)
-        self.env_rewards = torch.tensor(rewards, device=run.device)
+        rewards, calls, failures = self.env.finish()
+        self.env_rewards = torch.tensor(rewards, device=run.device).reshape(len(rewards), len(tokens))
         responses = torch.full((len(tokens), max(map(len, tokens))), pad, dtype=torch.long)
         mask = torch.zeros(responses.shape, dtype=torch.bool)
         logprobs = torch.full(responses.shape, INVALID_LOGPROB) if engine_logprobs is not None else None
@@ -1466,7 +1686,7 @@ class Sampler:
             responses[j, : len(t)], mask[j, : len(t)] = torch.tensor(t, dtype=torch.long), torch.tensor(p)
             if logprobs is not None:
                 logprobs[j, : len(t)] = torch.tensor(engine_logprobs[j])
-        info = torch.tensor([turns, cut, calls, failures], dtype=torch.float).T
+        info = torch.tensor([turns, cut, capped, calls, failures], dtype=torch.float).T
         logprobs = logprobs.to(run.device) if logprobs is not None else None
         lengths = torch.tensor([len(t) for t in tokens], device=run.device)
         return prompts, responses.to(run.device), lengths, mask.to(run.device), logprobs, info.to(run.device)
@@ -1499,7 +1719,7 @@ class Sampler:
             context_length=queries.shape[1],
             lengths=lengths,
             prompts=texts,
-            columns={**columns, "messages": self.env.messages},
+            columns={**columns, "messages": self.env.messages, "environments": self.env.live},
             stop_token_id=run.stop_token_id,
             completions=[next(m["content"] for m in reversed(c) if m["role"] == "assistant") for c in self.env.messages],
             env_rewards=self.env_rewards,
@@ -1508,7 +1728,7 @@ class Sampler:
     def final_scores(self, per_source, responses, info=None):
         """(scores, scored, contain_eos): the weighted sum over the sources that scored each completion (one that none
         scored takes no part), less --missing_eos_penalty for a completion cut off before the stop token (or an episode
-        cut off by a bound) (subtracted, not replacing the score as TRL's old trainers did, so that the reward still
+        whose last turn was) (subtracted, not replacing the score as TRL's old trainers did, so that the reward still
         ranks them)"""
         scores, scored = weighted_scores(per_source, self.run.sources)
         contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
@@ -1592,15 +1812,19 @@ def cat_rows(parts, pad_token_id):
 
 def episode_stats(run, info, policy, lengths):
     """--environment's metrics, over all processes: turns per episode, tool calls and failed calls per episode, the
-    fraction of episodes cut off by a bound, and of episode tokens the policy sampled"""
+    fractions of episodes cut off (the last turn without its stop token) and capped (a bound ended it while the
+    environment would go on), the observations' tokens per episode, and the share of episode tokens the policy
+    sampled"""
     counts = torch.tensor([policy.sum(), lengths.sum(), len(info)], device=info.device, dtype=torch.float)
     sums = torch.cat([info.sum(0), counts])
-    turns, cut, calls, failures, policy_tokens, tokens, n = run.reduce_sum(sums).tolist()
+    turns, cut, capped, calls, failures, policy_tokens, tokens, n = run.reduce_sum(sums).tolist()
     return {
         "env/turns": turns / n,
         "env/cut_off": cut / n,
+        "env/capped": capped / n,
         "env/tool_calls": calls / n,
         "env/tool_failures": failures / n,
+        "env/observation_length": (tokens - policy_tokens) / n,
         "env/policy_token_fraction": policy_tokens / max(tokens, 1.0),
     }
 
@@ -1631,26 +1855,34 @@ def sample_completions(
     group=1,
     synced=False,
     decode=generate,
+    room=None,
+    max_position=None,
 ):
     """A rollout's completions of its rows (queries, query_mask: (prompts * k, query_len), left-padded, a prompt's k rows
     adjacent), up to max_length tokens at temperature: the vLLM engine's (--use_vllm; it must hold model's weights:
-    vllm_sync), which gets each prompt once with its seed, else decode's (generate(), or a GraphDecoder) on model,
-    chunk rows at a time with their uniforms. Returns (responses (rows, width) padded with pad_token_id, the engine's
-    logprobs of them or None)."""
+    vllm_sync), which gets each prompt once with its seed and its most tokens (room: one per prompt; None: max_length),
+    else decode's (generate(), or a GraphDecoder) on model, chunk rows at a time with their uniforms, positions past
+    max_position held there. Returns (responses (rows, width) padded with pad_token_id, the engine's logprobs of them
+    or None)."""
     if engine is not None:
         return vllm_generate(
             engine,
             queries[::k],
             query_mask[::k],
             k=k,
-            max_tokens=max_length,
+            max_tokens=max_length if room is None else room,
             temperature=temperature,
             stop_token_id=stop_token_id,
             seeds=seeds,
             pad_token_id=pad_token_id,
         )
-    responses = []
-    for i in range(0, len(queries), chunk):
+    responses, starts = [], list(range(0, len(queries), chunk))
+    mine = len(starts)
+    if synced:  # ZeRO-3: each generation needs every process, so each runs as many as the most any runs (a copy fills)
+        most = torch.tensor(mine, device=queries.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        starts += [0] * (int(most) - mine)
+    for i in starts:
         rows = slice(i, i + chunk)
         responses.append(
             decode(
@@ -1663,9 +1895,10 @@ def sample_completions(
                 uniforms=uniforms[rows] if uniforms is not None else None,
                 group=group,
                 synced=synced,
+                max_position=max_position,
             )
         )
-    return pad_cat(responses, pad_token_id), None
+    return pad_cat(responses[:mine], pad_token_id), None
 
 
 class GraphDecoder:
@@ -1682,7 +1915,8 @@ class GraphDecoder:
         self.capture, self.kept, self.graphs, self.pool = capture, kept, {}, None
 
     @torch.no_grad()
-    def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, **_):
+    def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None,
+                 max_position=None, **_):  # fmt: skip
         rows, width = queries.shape
         device = queries.device
         uniforms = (torch.rand(rows, response_length) if uniforms is None else uniforms).to(device)
@@ -1760,6 +1994,8 @@ class GraphDecoder:
                     break
             g.token.copy_(token)
             g.position.add_(1)
+            if max_position is not None:  # (generate()'s: positions past a row's context held at its end)
+                g.position.clamp_(max=max_position)
             g.at.add_(1)
             g.uniform.copy_(uniforms[:, t])
             if not self.capture:
@@ -1913,7 +2149,7 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
         wandb.log({"completions": wandb.Table(columns=names, data=[[row[n] for n in names] for row in rows])})
 
 
-def load_eval(args, tokenizer, columns):
+def load_eval(args, tokenizer, columns, env=None):
     """The held-out set as (queries, texts, references or None, columns, the prompts as the dataset holds them), or
     None without one: --eval_dataset_name's --eval_split read as the training prompts are (a set without a column the
     reward functions read is refused); the TL;DR scripts': the first --eval_examples prompts of the dataset's
@@ -1940,6 +2176,7 @@ def load_eval(args, tokenizer, columns):
         tokenizer=tokenizer,
         max_prompt_length=args.max_prompt_length,
         raw=raw,
+        env=env,
     )
     missing = sorted(set(columns) - set(eval_columns))
     if missing:
@@ -1991,8 +2228,9 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
         return completions, per_source, scores, lengths, stopped, measured
 
     def play(idx, repeat, noise, prompts, rows):
-        """--environment: an episode per row (no engine, as below); the completion is its conversation"""
-        ids, response, lengths, _, _, info = sampler.play(
+        """--environment: an episode per row (no engine, as below); the completion is its conversation, its length the
+        policy's tokens (as TRL counts an episode's)"""
+        ids, response, lengths, policy, _, info = sampler.play(
             [raw[i] for i in idx],
             rows=[{sampler.args.prompt_field: raw[i], **{c: v[i] for c, v in columns.items()}} for i in idx],
             env_seeds=[seed * 100003 + i for i in idx],
@@ -2004,7 +2242,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             engine=False,
         )
         per_source = sampler.score_episodes(ids, response, lengths, prompts, rows)
-        return [list(m) for m in env.messages], lengths, per_source, info[:, 1] == 0
+        return [list(m) for m in env.messages], policy.sum(1), per_source, info[:, 1] == 0
 
     def complete_once(idx, repeat, noise, prompts, rows):
         """one completion of each row, truncated after the stop token and scored"""
@@ -2180,7 +2418,7 @@ def write_model_card(args, script, algorithm, doc, base_model, sources):
     ]
     for source in sources:
         kind = f"reward model `{source['path']}`" if "model" in source else f"function `{source.get('spec')}`"
-        kind = f"environment `{args.environment}`" if "env" in source else kind
+        kind = f"environment `{' '.join(args.environment)}`" if "env" in source else kind
         lines.append(f"| {source['name']} | {kind} | {source['weight']:g} |")
 
     # the latest value of each metric: the last row, and with a held-out evaluation the last evaluation's too
@@ -2420,7 +2658,9 @@ class Run:
             self.stop_token_id = self.tokenizer.eos_token_id
             if self.stop_token_id is None:
                 die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
-        self.prompts, self.env = [], None  # the prompts as the dataset holds them; --environment's class
+        self.prompts, self.env = [], None  # the prompts as the dataset holds them; --environment's environments
+        if getattr(args, "environment", None):
+            self.env = Environments(args.environment, self.tokenizer, self.stop_token_id)
         self.queries, self.texts, _, self.columns = load_prompts(
             args.dataset_name,
             split=args.dataset_split,
@@ -2428,12 +2668,9 @@ class Run:
             tokenizer=self.tokenizer,
             max_prompt_length=args.max_prompt_length,
             raw=self.prompts,
+            env=self.env,
         )
-        if getattr(args, "environment", None):
-            self.env = Environments(args.environment, self.tokenizer)
-            if self.env.tools and isinstance(self.prompts[0], str):
-                die(f"{self.env.name}'s tools reach the model through the chat template: the prompts must be chat messages")
-        self.eval_set = load_eval(args, self.tokenizer, self.columns)
+        self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
         self.sources = load_reward_sources(args, self.tokenizer, self.columns, env=self.env, default=self.default_reward)
         self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
         # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
@@ -2900,6 +3137,12 @@ def vllm_engine(accelerator, args, policy):
         backend = "external_launcher"
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # (LoRA: the model under peft)
     config = copy.deepcopy(base.config)
+    # the longest context: a prompt and its completion; with --environment a prompt (rendered with the tools) and its
+    # episode, within the model's positions (an episode ends at the context's end)
+    context = args.max_prompt_length + args.response_length
+    if getattr(args, "environment", None):
+        positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+        context = min(args.max_prompt_length + args.max_episode_tokens, positions or math.inf)
     config.architectures = [type(base).__name__]  # (a model built from a config has none): the engine's model class
     # vLLM seeds the random, numpy and torch streams of the process it starts in (and its checks below draw from them):
     # the run's own are kept as they were (each process's, from setup)
@@ -2916,7 +3159,7 @@ def vllm_engine(accelerator, args, policy):
             skip_tokenizer_init=True,
             dtype="bfloat16" if args.bf16 else "float32",
             seed=args.seed,
-            max_model_len=args.max_prompt_length + args.response_length,
+            max_model_len=context,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -3048,26 +3291,38 @@ def vllm_sync(engine, model):
 
 def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_token_id, seeds, pad_token_id):
     """k completions of each of the prompts (queries, query_mask: (prompts, query_len), left-padded) sampled by the vLLM
-    engine from softmax(logits / temperature), each prompt sent once with n = k; the engine seeds prompt j's k samples
-    with seeds[j], seeds[j] + 1, ... Stops at stop_token_id (kept, as generate() keeps it). Returns responses
-    (prompts * k, longest), padded with pad_token_id, and the engine's logprobs of their tokens (INVALID_LOGPROB on
-    padding), on the queries' device; row j * k + i is prompt j's i-th completion."""
+    engine from softmax(logits / temperature), each prompt sent once with n = k and at most max_tokens tokens (a number,
+    or one per prompt); the engine seeds prompt j's k samples with seeds[j], seeds[j] + 1, ... Stops at stop_token_id
+    (kept, as generate() keeps it). Returns responses (prompts * k, longest), padded with pad_token_id, and the
+    engine's logprobs of their tokens (INVALID_LOGPROB on padding), on the queries' device; row j * k + i is prompt
+    j's i-th completion. A completion the engine cut at its context's end stops the run in one line: its padding would
+    read as a stop token the engine never sampled (the callers ask no more than the context holds)."""
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
     stop = [stop_token_id] if stop_token_id is not None else None
+    most = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(n) for n in max_tokens]
     params = [
         # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
         SamplingParams(
-            n=k, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True
+            n=k, temperature=temperature, max_tokens=n, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True
         )  # fmt: skip
-        for s in seeds
+        for s, n in zip(seeds, most)
     ]
-    rows = [c for out in engine.generate(prompts, params, use_tqdm=False) for c in sorted(out.outputs, key=lambda c: c.index)]
-    width = max(len(c.token_ids) for c in rows)
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    rows = [(c, n) for out, n in zip(outputs, most) for c in sorted(out.outputs, key=lambda c: c.index)]
+    for (c, n), prompt in zip(rows, [p for p in prompts for _ in range(k)]):
+        stopped = stop_token_id is not None and c.token_ids[-1:] == [stop_token_id]
+        if len(c.token_ids) < n and not stopped:
+            context = engine.llm_engine.model_config.max_model_len
+            die(
+                f"--use_vllm: the engine cut a completion at {len(c.token_ids)} of its {n} tokens, at the end of its "
+                f"context of {context} (a prompt of {len(prompt['prompt_token_ids'])}); lower --max_prompt_length"
+            )
+    width = max(len(c.token_ids) for c, _ in rows)
     responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     logprobs = torch.full((len(rows), width), INVALID_LOGPROB)
-    for i, c in enumerate(rows):
+    for i, (c, _) in enumerate(rows):
         responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
         logprobs[i, : len(c.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
     return responses.to(queries.device), logprobs.to(queries.device)

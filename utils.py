@@ -24,9 +24,16 @@ def die(msg):
 # forward passes and the value head
 
 
+def positions(attention_mask):
+    """Each column's position, counted from its row's first real token as generate() counts them; a padding column
+    takes its neighbour's (0 on the left, the last real token's on the right), so that a row filling the model's
+    positions pads within them (padding is read by no real token)."""
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
 def forward(model, input_ids, attention_mask, **kwargs):
     """A causal LM on left-padded rows, with positions counted from each row's first real token as generate() does."""
-    position_ids = attention_mask.cumsum(1) - attention_mask
+    position_ids = positions(attention_mask)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
@@ -35,7 +42,7 @@ def scalar_forward(model, input_ids, attention_mask):
     `score` head on every position; for reward models and critics. (The model's own forward finds the last token by
     comparing with the pad id, which breaks when pad == EOS.)"""
     backbone = getattr(model, model.base_model_prefix)
-    position_ids = attention_mask.cumsum(1) - attention_mask
+    position_ids = positions(attention_mask)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     return model.score(hidden).squeeze(-1)
 
@@ -136,10 +143,9 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
         return forward(model, query_responses, mask, logits_to_keep=logits_to_keep).logits
     prompts = rows // group
     # (prompts, start + group * seg): the prompt once, then each completion's segment; positions as forward() counts them
-    positions = mask.cumsum(1) - mask
-    ids, real, positions = (
+    ids, real, places = (
         torch.cat([x[::group, :start], x[:, start:].reshape(prompts, group * seg)], 1)
-        for x in (query_responses, mask.bool(), positions)
+        for x in (query_responses, mask.bool(), positions(mask))
     )
     # a column sees the real columns up to itself of the prompt and of its own segment (-1: the prompt); a left-padding
     # column, which would see none (and which none sees), sees itself rather than nothing
@@ -151,7 +157,7 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     attention = sees[:, None]  # (prompts, 1, L, L): transformers passes a 4D mask on as it is; sdpa takes booleans
     if config._attn_implementation == "eager":  # which adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, torch.finfo(torch.float32).min)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=group * seg).logits
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=group * seg).logits
     return logits.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
 
 
@@ -175,20 +181,31 @@ def sample_tokens(logits, temperature, uniforms):
 
 @torch.no_grad()
 def generate(
-    model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None, group=1, synced=False
+    model,
+    queries,
+    query_mask,
+    response_length,
+    temperature,
+    stop_token_id=None,
+    uniforms=None,
+    group=1,
+    synced=False,
+    max_position=None,
 ):
     """Sample up to response_length tokens per row from softmax(logits / temperature) with a KV cache (no top-k/top-p;
     temperature 0: greedy), stopping once every row has produced stop_token_id. uniforms (batch, response_length) pick
     each token (sample_tokens; None: drawn from torch's generator). group: rows come in groups of copies of one query,
     whose prompt then runs once. synced (ZeRO-3, where each forward pass needs every process): stop only once every
-    process's rows have stopped. Returns responses (batch, <= response_length)."""
+    process's rows have stopped. max_position: positions past it are held there (the caller throws away a row's tokens
+    past its context's end; attention being causal, they change none before). Returns responses (batch, <=
+    response_length)."""
     uniforms = (torch.rand(len(queries), response_length) if uniforms is None else uniforms).to(queries.device)
     out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
     if group > 1:  # (prompts, ...) -> (prompts * group, ...)
         out.past_key_values.batch_repeat_interleave(group)
         out.logits = out.logits.repeat_interleave(group, 0)
     mask = query_mask
-    positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -1:]
+    places = positions(mask)[:, -1:]
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
     tokens = []
     for t in range(response_length):
@@ -206,47 +223,64 @@ def generate(
         elif done.all():
             break
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-        positions = positions + 1
+        places = places + 1 if max_position is None else (places + 1).clamp(max=max_position)
         out = model(
-            input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values, use_cache=True
+            input_ids=token, attention_mask=mask, position_ids=places, past_key_values=out.past_key_values, use_cache=True
         )
     return torch.cat(tokens, dim=1)
 
 
-def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, reduce=None):
+def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, context=None, reduce=None):
     """Multi-turn episodes, token in and token out: a row's episode is the tokens the policy sampled, turn after turn,
     and each observation's tokens as they come (never re-rendered from text). Turn t: sample(rows, their prompts +
-    episodes, t) -> (tokens (rows, width), engine logprobs or None), each turn cut after its stop token and at
-    max_tokens; respond(rows, turns) -> each row's observation (token ids) or None (over). An episode is cut off if a
-    turn has no stop token, at max_turns, or where the observation and a token would pass max_tokens. reduce (ZeRO-3)
-    sums a count over the processes: all sample every turn. Returns per row its tokens (after the prompt), which the
-    policy sampled, the engine's logprobs (0 on observations; or None), its turns and whether it was cut off."""
+    episodes, t, room) -> (tokens (rows, width), engine logprobs or None), room: each row's most tokens this turn (the
+    rest of max_tokens, and of the context: the most tokens the model or the engine reads, prompt included; None: no
+    bound), each turn then cut after its stop token and at its room. respond(rows, turns, last) -> each row's
+    observation (token ids), or None where the environment ends the episode; last[j]: the turn is the episode's last
+    whatever the environment says (it has no stop token, it is turn max_turns, or no token would fit after it), so no
+    tool runs and the answer only says whether the environment would go on.
+
+    An episode is cut off when its last turn did not end with the stop token, whatever the environment says (as TRL
+    marks a completion truncated by its last token); it is capped when a bound ended it after a complete turn while the
+    environment would go on: max_turns, or an observation that leaves no room for a token. reduce (ZeRO-3) sums a
+    count over the processes: all sample every turn. Returns per row its tokens (after the prompt), which the policy
+    sampled, the engine's logprobs (0 on observations; or None), its turns, whether it was cut off, and capped."""
     n = len(prompts)
     tokens, policy, engine = ([[] for _ in range(n)] for _ in range(3))
-    turns, cut, active, logprobs = [0] * n, [False] * n, list(range(n)), None
+    turns, cut, capped, active, logprobs = [0] * n, [False] * n, [False] * n, list(range(n)), None
+
+    def room(i):  # the most tokens row i may still add
+        left = max_tokens - len(tokens[i])
+        return left if context is None else min(left, context - len(prompts[i]) - len(tokens[i]))
+
     for t in range(max_turns):
         # a process whose episodes have ended still takes part in each forward pass of the others' turns (ZeRO-3)
         if (reduce(len(active)) if reduce else len(active)) == 0:
             break
-        rows = active or [0]  # (such a process samples a copy of its first row, unused)
-        sampled, logprobs = sample(rows, [prompts[i] + tokens[i] for i in rows], t)
-        done = []
+        rows, seqs, rooms = [0], prompts[:1], [1]  # (such a process samples its first prompt again, unused)
+        if active:  # (each has room for a token: its prompt was checked, and an observation joins only with room)
+            rows, seqs, rooms = active, [prompts[i] + tokens[i] for i in active], [room(i) for i in active]
+        sampled, logprobs = sample(rows, seqs, t, rooms)
+        done, last = [], []
         for j, i in enumerate(active):
-            turn = sampled[j].tolist()[: max_tokens - len(tokens[i])]
+            turn = sampled[j].tolist()[: rooms[j]]
             turn = turn[: turn.index(stop_token_id) + 1] if stop_token_id in turn else turn
             tokens[i], policy[i], turns[i] = tokens[i] + turn, policy[i] + [True] * len(turn), turns[i] + 1
             engine[i] += logprobs[j, : len(turn)].tolist() if logprobs is not None else []
+            cut[i] = stop_token_id is not None and turn[-1:] != [stop_token_id]
             done.append(turn)
+            last.append(cut[i] or t == max_turns - 1 or room(i) < 1)
         still = []
-        for i, turn, obs in zip(active, done, respond(active, done) if active else []):
-            stopped = stop_token_id is None or turn[-1:] == [stop_token_id]
-            if obs is not None and (not stopped or t == max_turns - 1 or len(tokens[i]) + len(obs) >= max_tokens):
-                cut[i] = True  # the environment would go on, a bound does not
-            elif obs is not None:
-                tokens[i], policy[i], engine[i] = tokens[i] + obs, policy[i] + [False] * len(obs), engine[i] + [0.0] * len(obs)
-                still.append(i)
+        for i, end, obs in zip(active, last, respond(active, done, last) if active else []):
+            if obs is None:  # the environment ended the episode
+                continue
+            if end or len(obs) + 1 > room(i):  # the environment would go on, a bound does not
+                capped[i] = not cut[i]
+                continue
+            tokens[i], policy[i], engine[i] = tokens[i] + obs, policy[i] + [False] * len(obs), engine[i] + [0.0] * len(obs)
+            still.append(i)
         active = still
-    return tokens, policy, engine if logprobs is not None else None, turns, cut
+    return tokens, policy, engine if logprobs is not None else None, turns, cut, capped
 
 
 # ---------------------------------------------------------------------------------------------------------------------

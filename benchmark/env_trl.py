@@ -133,6 +133,7 @@ ours = [
     "--per_device_train_batch_size", str(PROMPTS * K), "--gradient_accumulation_steps", "1",
     "--total_episodes", str(args.updates * PROMPTS * K), "--response_length", str(LENGTH),
     "--max_episode_tokens", str(LENGTH), "--max_turns", str(TURNS), "--temperature", str(TEMPERATURE),
+    "--max_prompt_length", "512",  # (a prompt as the model reads it, with the tool's schema: 262 tokens; TRL drops none)
     "--learning_rate", str(args.learning_rate), "--num_sample_generations", "0", "--no_save_model",
     "--output_dir", os.path.join(out, "ours"),
 ]  # fmt: skip

@@ -35,7 +35,9 @@ def ask(url, prompts, completions, columns, batch_size=64, timeout=60.0, retries
     for start in range(0, len(completions), batch_size):
         end = start + batch_size
         body = {"prompts": list(prompts[start:end]), "completions": list(completions[start:end])}
-        body.update({name: list(values[start:end]) for name, values in columns.items()})
+        # the dataset's columns (and an episode's messages); not the live environments nor the token ids
+        data = {name: values for name, values in columns.items() if name not in ("environments", "completion_ids")}
+        body.update({name: list(values[start:end]) for name, values in data.items()})
         request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
         for attempt in range(retries + 1):
             try:

@@ -287,3 +287,37 @@ def tiny_llama_dir(tiny_tokenizer_dir, tmp_path_factory):
         tie_word_embeddings=True,
     )
     return _save_with_tokenizer(LlamaForCausalLM, config, 0, tokenizer, str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+# whole tool calls, each one token of the caller model's vocabulary: a tiny model calls its tools from the first update
+CALLS = [
+    '<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 3"}}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+]
+
+
+@pytest.fixture(scope="session")
+def caller_model_dir(tiny_tokenizer_dir, tmp_path_factory):
+    """A GPT-NeoX with vLLM-sized heads and 1024 positions whose vocabulary holds two whole tool calls (CALLS: the
+    calculator's and an `add` tool's) as tokens, made to produce each of them and its EOS token about a fifth of the
+    time (stop_a_third_of_the_time's direction): its turns call tools, end, or run on, so episodes have several turns."""
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.add_tokens(CALLS)
+    config = _tiny_config(tokenizer)
+    config.hidden_size, config.intermediate_size, config.max_position_embeddings = 64, 128, 1024
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config)
+    with torch.no_grad():
+        norm = model.gpt_neox.final_layer_norm
+        direction = torch.ones_like(norm.bias) / norm.bias.numel() ** 0.5
+        norm.weight.mul_(0.1)
+        norm.bias.copy_(direction)
+        for token in [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(CALLS)]:
+            model.get_output_embeddings().weight[token] = 5.5 * direction
+    path = str(tmp_path_factory.mktemp("caller_model"))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

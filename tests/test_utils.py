@@ -488,6 +488,43 @@ def test_reward_fn_loading_and_checks(tmp_path):
     assert infra.call_reward_fn(infra.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
 
 
+REWARD_FORMS = """
+import asyncio
+def ours(prompts, completions, answer):
+    return [f"{p}{c}{a}" for p, c, a in zip(prompts, completions, answer)]
+def ours_all(prompts, completions, **columns):
+    return [f"{p}{c}{a}" for p, c, a in zip(prompts, completions, columns["answer"])]
+def trl(completions, **kwargs):  # TRL's form: every argument by keyword
+    return [f"{p}{c}{a}" for p, c, a in zip(kwargs["prompts"], completions, kwargs["answer"])]
+def trl_named(completions, answer, **kwargs):
+    return [f"{p}{c}{a}" for p, c, a in zip(kwargs["prompts"], completions, answer)]
+def only_kwargs(**kwargs):
+    return [f"{p}{c}{a}" for p, c, a in zip(kwargs["prompts"], kwargs["completions"], kwargs["answer"])]
+def positional(p, c, **columns):  # other names: the first two by position
+    return [f"{x}{y}{a}" for x, y, a in zip(p, c, columns["answer"])]
+def other_first(samples, completions, answer):
+    return [f"{x}{y}{a}" for x, y, a in zip(samples, completions, answer)]
+def positional_only(prompts, completions, /, answer):
+    return [f"{x}{y}{a}" for x, y, a in zip(prompts, completions, answer)]
+async def awaited(prompts, completions, answer):
+    await asyncio.sleep(0)
+    return [f"{p}{c}{a}" for p, c, a in zip(prompts, completions, answer)]
+"""
+
+
+@pytest.mark.parametrize(
+    "name", ["ours", "ours_all", "trl", "trl_named", "only_kwargs", "positional", "other_first", "positional_only", "awaited"]
+)
+def test_reward_functions_in_every_form_get_the_prompts_completions_and_columns(tmp_path, name):
+    """A reward function in our form (prompts and completions first), in TRL's (by keyword: f(completions, **kwargs)),
+    or with its first two parameters named otherwise (by position), async or not: each loads against the dataset's
+    columns and gets the prompts, the completions and the column it reads."""
+    (tmp_path / "forms.py").write_text(REWARD_FORMS)
+    fn = infra.load_reward_fn(f"{tmp_path}/forms.py:{name}", columns=["answer", "completion_ids"])
+    columns = {"answer": [1, 2], "completion_ids": [[5], [6, 7]]}
+    assert infra.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == ["px1", "qy2"]
+
+
 @pytest.mark.parametrize(
     "completion, answer, expected",
     [

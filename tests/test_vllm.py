@@ -3,7 +3,9 @@ engine's logprobs against the trainer's, the weight sync, truncated importance s
 with it as a user would: learning, and a kill -9 then --resume giving the uninterrupted run."""
 
 import importlib.util
+import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -135,19 +137,29 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
         lora_after = worst(lora, seeds=[1, 2, 3])[0]
         now = {n.replace(".base_layer", ""): p for n, p in lora.get_base_model().named_parameters() if "lora_" not in n}
         untouched = now.keys() == frozen.keys() and all(torch.equal(now[n], p) for n, p in frozen.items())
-        print("RESULT", before, bool(torch.equal(first, again)), stale, after, lora_stale, lora_after, untouched, streams_kept)
+        # a prompt of 40 tokens asking 12 more of an engine of 44 (max_prompt_length + response_length): cut at 4
+        try:
+            infra.vllm_generate(engine, *infra.left_pad([list(range(5, 45))], 0), k=1, max_tokens=12, temperature=1.0,
+                                stop_token_id=None, seeds=[1], pad_token_id=0)
+            capped = "not-stopped"
+        except SystemExit as e:
+            capped = "stopped" if "cut a completion at 4 of its 12 tokens" in str(e) and len(str(e).splitlines()) == 1 else "x"
+        print("RESULT", before, bool(torch.equal(first, again)), stale, after, lora_stale, lora_after, untouched, streams_kept,
+              capped)
         """,
         tiny_llama_dir,
         eos,
         tmp_path,
     )
-    before, same, stale, after, lora_stale, lora_after, untouched, streams_kept = out.split("RESULT")[1].split()
+    before, same, stale, after, lora_stale, lora_after, untouched, streams_kept, capped = out.split("RESULT")[1].split()
     assert float(before) < 1e-4 and float(after) < 1e-4  # fp32: the engine's distribution is the trainer's
     assert same == "True"  # the same seeds, the same samples
     assert float(stale) > 1e-2  # so the test would see a sync that did nothing
     assert float(lora_after) < 1e-4 and float(lora_stale) > 1e-2  # the policy with its adapters, not without
     assert untouched == "True"  # the frozen weights (also the reference) are not rounded by a merge and unmerge
     assert streams_kept == "True"  # each process's own random streams, as seeded, survive the engine's start
+    # a completion the engine cut at its context's end stops the run in one line, its padding never read as a stop token
+    assert capped == "stopped"
 
 
 def vllm_command(script, model, prompts, out, extra=""):
@@ -418,6 +430,8 @@ def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
 
 ECHO = """
 class Echo:
+    text_environment = True
+
     def reset(self, **row):
         self.turn = 0
 
@@ -447,6 +461,66 @@ def test_episodes_with_vllm_weigh_the_policys_tokens_only(script, run, tmp_path,
     (row,) = read_metrics(out)
     assert row["env/turns"] == 2 and 0.2 < row["env/policy_token_fraction"] < 0.8
     assert row["vllm/logprob_diff_max"] < 1e-3, row
+
+
+@needs_vllm
+def test_the_calculator_with_vllm_within_the_models_context(run, tmp_path, caller_model_dir):
+    """The calculator's documented command with --use_vllm, on a model that calls its tools and reads 600 positions
+    (the tiny tokenizer renders the prompt with its tool in 462 tokens): the engine holds an episode's whole budget
+    within them (not one turn's), episodes run several turns past one turn's budget to the context's end, and every
+    token the policy trained on is one the engine sampled (a padded stop token would differ from the trainer's
+    logprob by far more)."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "caller600"
+    shutil.copytree(caller_model_dir, model)
+    config = AutoConfig.from_pretrained(model)
+    config.max_position_embeddings = 600
+    config.save_pretrained(model)
+    out = tmp_path / "out"
+    check_ok(run(
+        f"grpo.py --dataset_name {REPO}/data/arithmetic.jsonl --reward_fn accuracy"
+        f" --environment {REPO}/examples/environments/calculator.py:Calculator"
+        f" --chat_template {REPO}/examples/environments/chatml_tools.jinja --max_turns 3 --response_length 48"
+        f" --max_prompt_length 512 {EAGER} --model_name_or_path {model} --total_episodes 32 --temperature 1.0"
+        f" --num_sample_generations 0 --no_save_model --output_dir {out}",
+        cwd=tmp_path,
+    ))  # fmt: skip
+    rows = read_metrics(out)
+    assert all(r["vllm/logprob_diff_max"] < 1e-3 for r in rows), rows
+    assert all(r["env/tool_calls"] > 0.5 and r["env/turns"] > 1.3 for r in rows)
+    # episodes, the policy's tokens and the observations', near one turn's budget on average; a third or more end at
+    # their budget or the context, where the next observation would not fit (the engine never cut one: see above)
+    assert all(r["completions/mean_length"] + r["env/observation_length"] > 40 and r["env/capped"] > 0.3 for r in rows)
+
+
+@needs_vllm
+def test_two_processes_with_vllm_play_one_processs_episodes(tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """--use_vllm --environment on two processes x 2 micro-batches: the engine seeds each later turn by the prompt,
+    the turn and the row's place in its group, so the episodes, their conversations and the metrics are one
+    process's x 4."""
+    from test_distributed import launch
+
+    (tmp_path / "envs.py").write_text(ECHO)
+    args = (
+        f"--num_generations 4 {EAGER} --model_name_or_path {tiny_llama_dir} --dataset_name {tiny_prompts_file}"
+        f" --environment {tmp_path}/envs.py:Echo --stop_token None --response_length 6 --total_episodes 32"
+        " --per_device_train_batch_size 4 --temperature 1.0 --learning_rate 1e-3 --num_sample_generations 0"
+        " --log_completions --no_save_model"
+    )
+    for processes in (1, 2):
+        steps = f"--gradient_accumulation_steps {4 // processes}"
+        check_ok(launch(processes, "grpo.py", f"{args} {steps} --output_dir {tmp_path / str(processes)}", tmp_path))
+    a, b = read_metrics(tmp_path / "1"), read_metrics(tmp_path / "2")
+    assert len(a) == len(b) == 2 and all(r["env/turns"] == 2 for r in a)
+    for x, y in zip(a, b):
+        for key in ["reward", "reward_std", "entropy", "env/policy_token_fraction", "vllm/logprob_diff_mean"]:
+            assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-5), key
+
+    def conversations(out):
+        return sorted(json.dumps(json.loads(line)["completion"]) for line in open(out / "completions.jsonl"))
+
+    assert conversations(tmp_path / "1") == conversations(tmp_path / "2")
 
 
 @needs_vllm

@@ -3,11 +3,12 @@
 The class's public methods are the tools, offered to the model through the chat template; a turn that calls one gets
 its result back as a tool message, and the episode ends at the first turn that calls none (the answer), which the
 `accuracy` reward scores. SmolLM2's own chat template has no tools, so the command gives it one that has
-(chatml_tools.jinja, the same ChatML tokens). Train SmolLM2-135M-Instruct on the CPU:
+(chatml_tools.jinja, the same ChatML tokens); with the tool's schema a prompt is 214 tokens, hence
+--max_prompt_length 256. Train SmolLM2-135M-Instruct on the CPU:
 
     python grpo.py --dataset_name data/arithmetic.jsonl --reward_fn accuracy \
         --environment examples/environments/calculator.py:Calculator \
-        --chat_template examples/environments/chatml_tools.jinja --max_turns 3 --response_length 48
+        --chat_template examples/environments/chatml_tools.jinja --max_turns 3 --response_length 48 --max_prompt_length 256
 """
 
 import ast

@@ -23,6 +23,7 @@ ANALYZER = SentimentIntensityAnalyzer()
 
 
 class UserSimulator:
+    text_environment = True  # step(completion) -> (observation, reward, done); without it, methods are tools
     turns = 2
 
     def reset(self, **row):
