@@ -207,7 +207,7 @@ def main(args):
                 "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
-                "val/response_length": batch.lengths.float().mean(),
+                "val/response_length": (~padding_mask).sum(1).float().mean(),  # the policy's tokens (not observations)
                 "val/ratio_var": stats.var("val/ratio"),
             }
         )
