@@ -3125,6 +3125,9 @@ def vllm_engine(accelerator, args, policy):
         share = max(1, len(cores) // accelerator.num_processes)
         mine = cores[accelerator.local_process_index * share :][:share] or cores[-share:]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+        # vLLM's CPU attention in bf16 uses the AMX tiles of CPUs that have them without asking Linux for them, and the
+        # process dies of an illegal instruction; torch asks (once per process; nothing where the CPU has none)
+        getattr(torch.cpu, "_init_amx", lambda: None)()
     # (its loggers, before vLLM sets them up as it imports: some log as it does)
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     start = time.time()
