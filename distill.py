@@ -66,7 +66,7 @@ class DistillArgs:
 
 @dataclass
 class Args(DistillArgs, infra.RolloutArgs, infra.DataArgs, infra.EvalArgs, infra.RunArgs):
-    """Distillation's flags, then those of the groups every script shares (infra.py): the rollout's, the data's and
+    """Distillation's flags, then those of the groups every script shares (infra/flags.py): the rollout's, the data's and
     rewards' (no reward source by default: rewards are only logged), the evaluation's and the run's."""
 
 

@@ -85,7 +85,7 @@ class GRPOArgs:
 
 @dataclass
 class Args(GRPOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EnvArgs, infra.EvalArgs, infra.RunArgs):
-    """GRPO's flags, then those of the groups every script shares (infra.py): the rollout's, the data's and
+    """GRPO's flags, then those of the groups every script shares (infra/flags.py): the rollout's, the data's and
     rewards', the environment's (multi-turn episodes), the evaluation's and the run's."""
 
 

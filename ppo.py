@@ -76,7 +76,7 @@ class PPOArgs:
 
 @dataclass
 class Args(PPOArgs, infra.RolloutArgs, infra.DataArgs, infra.EvalArgs, infra.RunArgs):
-    """PPO's flags, then those of the groups every script shares (infra.py): the rollout's, the data's and
+    """PPO's flags, then those of the groups every script shares (infra/flags.py): the rollout's, the data's and
     rewards', the evaluation's and the run's."""
 
 

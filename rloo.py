@@ -48,7 +48,7 @@ class RLOOArgs:
 
 @dataclass
 class Args(RLOOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EnvArgs, infra.EvalArgs, infra.RunArgs):
-    """RLOO's flags, then those of the groups every script shares (infra.py): the rollout's, the data's and
+    """RLOO's flags, then those of the groups every script shares (infra/flags.py): the rollout's, the data's and
     rewards', the environment's (multi-turn episodes), the evaluation's and the run's."""
 
 

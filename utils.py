@@ -1,7 +1,8 @@
 """The method the scripts share: sampling and generation, the forward passes (packed where exact), logprobs, entropy
 and the exact KL, the KL estimators, masked statistics, the value head, importance weights, group statistics, and the
 statistics of an update. What one algorithm alone needs (baselines, advantages, losses) stays in its script; the
-plumbing (flags, loading, reward sources, the vLLM engine, checkpoints, logs, the model card) is in infra.py.
+plumbing (flags, loading, reward sources, the vLLM engine, checkpoints, logs, the model card) is in infra/, a package
+of modules by concern.
 """
 
 import math
@@ -461,7 +462,8 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None):
 
 def rollout_chunks(batch, chunk):
     """The batch's rows, chunk at a time, each chunk only as wide as its longest completion: (rows, query_responses,
-    attention mask, responses) per chunk. batch: infra.Batch (context_length, lengths, query_responses, attention_mask)."""
+    attention mask, responses) per chunk. batch: infra.rollout.Batch (context_length, lengths, query_responses,
+    attention_mask)."""
     for i in range(0, len(batch.lengths), chunk):
         rows = slice(i, i + chunk)
         end = batch.context_length + int(batch.lengths[rows].max())

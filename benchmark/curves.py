@@ -55,7 +55,7 @@ def convert(name, folder):
         return folder
     from transformers import AutoModelForCausalLM
 
-    from infra import load_pretrained, load_tokenizer
+    from infra.models import load_pretrained, load_tokenizer  # noqa: E402
 
     load_pretrained(AutoModelForCausalLM, name).save_pretrained(folder)
     load_tokenizer(name).save_pretrained(folder)

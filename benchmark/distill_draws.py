@@ -122,20 +122,21 @@ def train_trl(out):
     if cli.variant in ("trl_inverse_cdf", "trl_same_uniforms"):
         (stop,) = trainer.eos_token_ids  # utils.generate stops at one token
         pad = trainer.processing_class.pad_token_id
-        # trl_same_uniforms: distill.py's prompts and noise, replayed by infra.draw_prompts on the data distill.py
+        # trl_same_uniforms: distill.py's prompts and noise, replayed by infra.data.draw_prompts on the data distill.py
         # shuffles (TRL's sampler hands out the same prompts in the same order)
-        data = infra.Shuffled(len(trainer.train_dataset), cli.seed)
+        data = infra.data.Shuffled(len(trainer.train_dataset), cli.seed)
         one = types.SimpleNamespace(world_size=1, response_length=LENGTH, response_length_min=None, use_vllm=False)
 
         def sample(prompt_ids, images, multimodal_fields, has_tool_images=False):  # as TRL's: each one's ids to its EOS
-            ids, mask = infra.left_pad([list(p) for p in prompt_ids], pad)
+            ids, mask = infra.data.left_pad([list(p) for p in prompt_ids], pad)
             model = trainer.accelerator.unwrap_model(trainer.model)
             if cli.variant == "trl_same_uniforms":
-                _, uniforms, _, _ = infra.draw_prompts(data, types.SimpleNamespace(**vars(one), local_prompts=len(ids)), 1, 0)
+                flags = types.SimpleNamespace(**vars(one), local_prompts=len(ids))
+                _, uniforms, _, _ = infra.data.draw_prompts(data, flags, 1, 0)
             else:
                 uniforms = torch.rand(len(ids), LENGTH)
             tokens = utils.generate(model, ids, mask, LENGTH, TEMPERATURE, stop_token_id=stop, uniforms=uniforms)
-            tokens, lengths = infra.truncate_response(tokens, stop, pad)
+            tokens, lengths = infra.data.truncate_response(tokens, stop, pad)
             return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
 
         trainer._generate_single_turn = sample

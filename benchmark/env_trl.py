@@ -45,7 +45,7 @@ def trl_run(out):
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, REPO)
-    from infra import accuracy_reward
+    from infra.rewards import accuracy_reward  # noqa: E402
 
     spec = importlib.util.spec_from_file_location("calculator", ENV)
     calculator = importlib.util.module_from_spec(spec)

@@ -11,12 +11,12 @@ prompts per optimiser step (micro-batches of 8, two accumulated), 24 tokens, tem
 learning rate 5e-5 annealed linearly to 0, fp32, --updates steps.
 
 Our side runs distill.main as `python distill.py` would, watched: the prompts each update draws, its completions and
-the student's weights after each optimiser step are recorded (at infra.draw_prompts, infra.Sampler.sample and
-infra.Run.after_step). TRL's side is a DistillationTrainer whose train sampler hands out those prompts in that order
-(each generation batch twice, as its RepeatSampler does) and whose sampler (`_generate_single_turn`) hands back our
-completions for them; the rest is its own: tokenization, the loss, the Trainer's loop, optimiser and scheduler. After
-each step it prints how far TRL's change of the weights since the start is from ours, relatively: float32 rounding
-stays near 1e-5 to 1e-4 and does not grow."""
+the student's weights after each optimiser step are recorded (infra.hooks: the draw, the batch and the step). TRL's
+side is a DistillationTrainer whose train sampler hands out those prompts in that order (each generation batch twice,
+as its RepeatSampler does) and whose sampler (`_generate_single_turn`) hands back our completions for them; the rest
+is its own: tokenization, the loss, the Trainer's loop, optimiser and scheduler. After each step it prints how far
+TRL's change of the weights since the start is from ours, relatively: float32 rounding stays near 1e-5 to 1e-4 and
+does not grow."""
 
 import argparse
 import json
@@ -56,36 +56,21 @@ flags = distill_flags(model=cli.model, teacher=cli.teacher, seed=cli.seed, updat
 args = tyro.cli(distill.Args, args=[*flags, "--beta", str(cli.beta), "--no_save_model"], use_underscores=True)
 prompts, completions, start, after_step = [], [], {}, []
 
-draw_prompts = infra.draw_prompts
 
-
-def watched_draw(*a, **kw):
-    out = draw_prompts(*a, **kw)
-    prompts.append(list(out[0]))
-    return out
-
-
-sample = infra.Sampler.sample
-
-
-def watched_sample(self, *a, **kw):
-    batch = sample(self, *a, **kw)
+def watched_batch(sampler, batch):
     completions.append([batch.responses[i, :n].tolist() for i, n in enumerate(batch.lengths.tolist())])  # with the EOS
     if not start:  # before the first optimiser step
-        start.update({n: p.detach().clone() for n, p in self.unwrapped().named_parameters()})
-    return batch
+        start.update({n: p.detach().clone() for n, p in sampler.unwrapped().named_parameters()})
 
 
-run_after_step = infra.Run.after_step
+def watched_step(run, model):
+    if run.accelerator.sync_gradients:  # an optimiser step, not an accumulation step
+        after_step.append({n: p.detach().clone() for n, p in run.accelerator.unwrap_model(model).named_parameters()})
 
 
-def watched_after_step(self, model):
-    run_after_step(self, model)
-    if self.accelerator.sync_gradients:  # an optimiser step, not an accumulation step
-        after_step.append({n: p.detach().clone() for n, p in self.accelerator.unwrap_model(model).named_parameters()})
-
-
-infra.draw_prompts, infra.Sampler.sample, infra.Run.after_step = watched_draw, watched_sample, watched_after_step
+infra.hooks.WATCH["draw"].append(lambda indices: prompts.append(list(indices)))
+infra.hooks.WATCH["batch"].append(watched_batch)
+infra.hooks.WATCH["step"].append(watched_step)
 distill.main(args)
 our_losses = [json.loads(line)["distill/loss"] for line in open(f"{tmp}/ours/metrics.jsonl") if '"eps"' in line]
 print(f"ours: {len(after_step)} optimiser steps on {sum(map(len, completions))} completions")
@@ -94,8 +79,8 @@ print(f"ours: {len(after_step)} optimiser steps on {sum(map(len, completions))} 
 # 2. TRL's run on our prompts, in our order, and our completions
 from transformers import TrainerCallback  # noqa: E402
 
-tokenizer = infra.load_tokenizer(cli.model)
-queries = infra.load_prompts(
+tokenizer = infra.models.load_tokenizer(cli.model)
+queries = infra.data.load_prompts(
     dataset_name=PROMPTS, split="train", prompt_field="prompt", tokenizer=tokenizer, max_prompt_length=128
 )[0]
 

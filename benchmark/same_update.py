@@ -26,14 +26,9 @@ from compare import gradient_report  # noqa: E402  (benchmark/compare.py)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from grpo import aggregate_loss, group_advantages  # noqa: E402  (grpo.py's own functions; its main is guarded)
-from infra import (  # noqa: E402
-    left_pad,
-    load_pretrained,
-    load_prompts,
-    load_tokenizer,
-    sentiment_reward,
-    truncate_response,
-)
+from infra.data import left_pad, load_prompts, truncate_response  # noqa: E402
+from infra.models import load_pretrained, load_tokenizer  # noqa: E402
+from infra.rewards import sentiment_reward  # noqa: E402
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
     forward_grouped,

@@ -35,7 +35,8 @@ from compare import distill_config, gradient_report  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from distill import generalized_jsd  # noqa: E402  (distill.py's own function; its main is guarded)
-from infra import Shuffled, left_pad, load_pretrained, load_prompts, load_tokenizer, truncate_response  # noqa: E402
+from infra.data import Shuffled, left_pad, load_prompts, truncate_response  # noqa: E402
+from infra.models import load_pretrained, load_tokenizer  # noqa: E402
 from utils import forward_grouped, generate, logprobs_from_logits  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

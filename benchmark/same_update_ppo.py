@@ -209,15 +209,9 @@ import copy  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
-from infra import (  # noqa: E402
-    Shuffled,
-    left_pad,
-    load_pretrained,
-    load_prompts,
-    load_tokenizer,
-    rm_scores,
-    truncate_response,
-)
+from infra.data import Shuffled, left_pad, load_prompts, truncate_response  # noqa: E402
+from infra.models import load_pretrained, load_tokenizer  # noqa: E402
+from infra.rewards import rm_scores  # noqa: E402
 from ppo import compute_gae, place_scores, value_loss  # noqa: E402  (ppo.py's own functions; its main is guarded)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
@@ -232,7 +226,7 @@ from utils import (  # noqa: E402
 )
 
 # ------------------------------------------------------------------------------------------------------------------
-# 1. tokenizer, the first update's prompts and sampling noise as ppo.py draws them (infra.draw_prompts with k = 1)
+# 1. tokenizer, the first update's prompts and sampling noise as ppo.py draws them (infra.data.draw_prompts with k = 1)
 tokenizer = load_tokenizer(MODEL)
 tokenizer.pad_token = cli.pad_token  # see the docstring: TRL needs a pad token that is neither the EOS nor in a prompt
 stop_token_id, pad = tokenizer.eos_token_id, tokenizer.pad_token_id  # ppo.py: --stop_token eos

@@ -63,15 +63,9 @@ import torch  # noqa: E402
 from compare import gradient_report  # noqa: E402  (benchmark/compare.py)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from infra import (  # noqa: E402
-    Shuffled,
-    left_pad,
-    load_pretrained,
-    load_prompts,
-    load_tokenizer,
-    sentiment_reward,
-    truncate_response,
-)
+from infra.data import Shuffled, left_pad, load_prompts, truncate_response  # noqa: E402
+from infra.models import load_pretrained, load_tokenizer  # noqa: E402
+from infra.rewards import sentiment_reward  # noqa: E402
 from rloo import rloo_advantages  # noqa: E402  (rloo.py's own function; its main is guarded)
 from utils import (  # noqa: E402
     INVALID_LOGPROB,

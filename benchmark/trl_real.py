@@ -34,7 +34,8 @@ args = parser.parse_args()
 import datasets  # noqa: E402  (after argparse, so --help is instant)
 from peer_log import Log  # noqa: E402
 
-from infra import BUILTIN_REWARDS, load_tokenizer  # noqa: E402
+from infra.models import load_tokenizer  # noqa: E402
+from infra.rewards import BUILTIN_REWARDS  # noqa: E402
 
 if args.algo == "rloo":
     from trl import RLOOConfig as Config

@@ -3,7 +3,7 @@
     python benchmark/vllm_families.py
 
 Each family the scripts train (the recurrent ones are refused before any engine) is built in miniature (random
-weights, heads of 32), in a process of its own: infra.vllm_engine starts the engine as `--use_vllm` does (it refuses,
+weights, heads of 32), in a process of its own: infra.engine.vllm_engine starts the engine as `--use_vllm` does (it refuses,
 in one line, a model vLLM cannot build or run, and one whose logprobs, after the policy's weights are synced in, differ
 from the trainer's), then the engine samples 3 x 3 completions of 8 tokens at temperature 0.7 from the synced weights
 and their logprobs are compared with the trainer's. Writes benchmark/results/vllm_families/results.{json,md}."""
@@ -40,11 +40,11 @@ def one(name):
                                  vllm_gpu_memory_utilization=0.3, vllm_tensor_parallel_size=1)  # fmt: skip
     accelerator = types.SimpleNamespace(num_processes=1, local_process_index=0, is_main_process=False)
     try:
-        engine = infra.vllm_engine(accelerator, args, model)
+        engine = infra.engine.vllm_engine(accelerator, args, model)
     except SystemExit as e:
         return {"family": name, "runs": False, "refusal": str(e)}
-    queries, mask = infra.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
-    responses, engine_logprobs = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=8, temperature=0.7,
+    queries, mask = infra.data.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
+    responses, engine_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=8, temperature=0.7,
                                                      stop_token_id=None, seeds=[1, 2, 3], pad_token_id=0)  # fmt: skip
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
     with torch.no_grad():
@@ -60,7 +60,7 @@ def main():
 
     rows = []
     for name, (_, packs) in FAMILIES.items():
-        if packs is None:  # recurrent: infra.check_model refuses it before any engine
+        if packs is None:  # recurrent: infra.models.check_model refuses it before any engine
             continue
         start = time.time()
         proc = subprocess.run([sys.executable, __file__, "--family", name], capture_output=True, text=True, timeout=600)

@@ -6,8 +6,8 @@ timers around the same kinds of work, and writes the seconds per update by phase
     python benchmark/where_time.py OUT.json benchmark/distill_trl.py --side trl_run ...  # TRL's DistillationTrainer
 
 Phases (the outermost timed call counts; nothing is counted twice):
-- generation: our utils.generate (or with --use_vllm the engine's, infra.vllm_generate), transformers' generate() for
-  TRL; weight sync: infra.vllm_sync, the policy's weights into the engine (--use_vllm);
+- generation: our utils.generate (or with --use_vllm the engine's, infra.engine.vllm_generate), transformers' generate() for
+  TRL; weight sync: infra.engine.vllm_sync, the policy's weights into the engine (--use_vllm);
 - logprob passes: forward passes and logprob arithmetic without gradient outside generation (the rollout's policy
   and reference passes; ppo.py's critic; distill.py's teacher): our utils.forward_grouped, logprobs_from_logits and
   scalar_forward, TRL's _get_per_token_logps_and_entropies (DistillationTrainer: _get_last_hidden_state, the
@@ -74,13 +74,13 @@ if "trl" in os.path.basename(script):
         cls._get_per_token_logps_and_entropies = timed(cls._get_per_token_logps_and_entropies, passes)
     # distillation: the student's backbone with gradient, the teacher's without (its lm_head runs in the divergence)
     DistillationTrainer._get_last_hidden_state = timed(DistillationTrainer._get_last_hidden_state, passes)
-else:  # the scripts call these as utils.NAME, infra.py by the names it imported: both modules are patched
+else:  # the scripts call these as utils.NAME, infra's modules by the names they imported: each module is patched
     import infra
     import utils
 
     phases = {"generate": "generation", "vllm_generate": "generation", "vllm_sync": "weight sync"}  # vllm: --use_vllm
     phases.update(dict.fromkeys(("forward_grouped", "logprobs_from_logits", "scalar_forward"), passes))
-    for module in (utils, infra):
+    for module in (utils, infra.rollout, infra.rewards, infra.evaluation, infra.engine, infra.graphs):
         for name, phase in phases.items():
             if hasattr(module, name):
                 setattr(module, name, timed(getattr(module, name), phase))

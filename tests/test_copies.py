@@ -9,7 +9,7 @@ above it with the function it copies:
 A copy may rename, as transformers' "Copied from ... with Bert->Roberta": `# Copied from ppo.main with eos->after_eos`
 is the source with every word `eos` read as `after_eos`. Whole functions (or classes) only, no end markers, no
 nesting, at most five copies per script. `python tests/test_copies.py --fix` rewrites every copy from its source, as
-transformers' `make fix-copies`; the test fails on any drift. Plumbing is never copied: it is a call into infra.py.
+transformers' `make fix-copies`; the test fails on any drift. Plumbing is never copied: it is a call into infra/
 """
 
 import ast

@@ -322,13 +322,13 @@ sys.path.insert(0, {repo!r})
 import infra
 from accelerate import Accelerator
 
-accelerator = Accelerator(kwargs_handlers=infra.process_group_kwargs())
+accelerator = Accelerator(kwargs_handlers=infra.models.process_group_kwargs())
 rank = accelerator.process_index
 stats = {{"loss/policy_avg": torch.tensor(1.0 + rank), "vllm/logprob_diff_max": torch.tensor([0.5, 0.25][rank])}}
 if accelerator.is_main_process:
-    print("REDUCED", infra.reduce_stats(accelerator, stats))
+    print("REDUCED", infra.outputs.reduce_stats(accelerator, stats))
 else:
-    infra.reduce_stats(accelerator, stats)
+    infra.outputs.reduce_stats(accelerator, stats)
 accelerator.wait_for_everyone()
 accelerator.end_training()  # (a process leaving the group before the other aborts it)
 """

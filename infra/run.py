@@ -1,0 +1,334 @@
+"""The run: start() makes the processes and the batch sizes, Run holds each step's plumbing (data, the updates and
+resume, the learning rate, PTX, clipping, EMA, logging, evaluation and checkpoints, the end).
+"""
+
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm import tqdm
+
+from utils import PolicyAndValue, die, forward
+
+from .data import Shuffled, lm_loss, load_eval, load_prompts, load_ptx, ptx_batch
+from .environments import Environments
+from .evaluation import evaluate, record_eval
+from .flags import TldrArgs
+from .hooks import notify
+from .models import check_accelerate_config, load_tokenizer, process_group_kwargs, save_policy, zero3
+from .outputs import (
+    checkpoint,
+    finish,
+    log_metrics,
+    open_logs,
+    open_output_dir,
+    print_samples,
+    reduce_stats,
+    resume,
+    reward_stats,
+    write_completions,
+)
+from .rewards import load_reward_sources
+
+
+class Run:
+    """A training run's plumbing, one call at each point of use: built by start(), it holds the processes
+    (accelerator) and, once load_policy() has loaded them, the tokenizer, the prompts and their draw, the reward
+    sources, the held-out set and the PTX texts; updates() resumes a run and counts the updates; log(),
+    evaluate_and_checkpoint() and finish() write everything."""
+
+    def __init__(self, args, accelerator, run_name, k, default_reward="sentiment"):
+        self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
+        self.device = accelerator.device
+        self.episode, self.update, self.start_update, self.last_checkpoint, self.lr = 0, 0, 1, None, args.learning_rate
+        self.model = self.ema = self.sampler = self.writer = self.measure = None
+        self.ptx_losses, self.default_reward = [], default_reward
+
+    def load_data(self):
+        """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
+        sources (in --reward_weights' order: reward models, then functions) and the PTX texts; then their draws."""
+        args, accelerator = self.args, self.accelerator
+        self.tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        if getattr(args, "chat_template", None):
+            if not os.path.isfile(args.chat_template):
+                die(f"--chat_template file {args.chat_template!r} does not exist")
+            self.tokenizer.chat_template = open(args.chat_template).read()
+        self.stop_token_id = args.stop_token_id
+        if self.stop_token_id is None and args.stop_token == "eos":
+            self.stop_token_id = self.tokenizer.eos_token_id
+            if self.stop_token_id is None:
+                die(f"tokenizer of {args.model_name_or_path!r} has no EOS token; set --stop_token_id or --stop_token None")
+        self.prompts, self.env = [], None  # the prompts as the dataset holds them; --environment's environments
+        if getattr(args, "environment", None):
+            self.env = Environments(args.environment, self.tokenizer, self.stop_token_id)
+        self.queries, self.texts, _, self.columns = load_prompts(
+            args.dataset_name,
+            split=args.dataset_split,
+            prompt_field=args.prompt_field,
+            tokenizer=self.tokenizer,
+            max_prompt_length=args.max_prompt_length,
+            raw=self.prompts,
+            env=self.env,
+        )
+        self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
+        self.sources = load_reward_sources(args, self.tokenizer, self.columns, env=self.env, default=self.default_reward)
+        self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
+        # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
+        # own slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own,
+        # so the prompts are the same with or without them. accelerate's checkpoints hold every object registered
+        self.data = Shuffled(len(self.queries), args.seed)
+        accelerator.register_for_checkpointing(self.data)
+        if self.ptx_texts is not None:
+            self.ptx_stream = Shuffled(len(self.ptx_texts), args.seed)
+            accelerator.register_for_checkpointing(self.ptx_stream)
+
+    def updates(self):
+        """The run's updates, 1 to num_updates, or from the one after the newest checkpoint with --resume (the weights,
+        the optimiser, every process's random state, every registered object and the counters come back first); the
+        logs open, and a new run evaluates before training. Counts the episodes."""
+        args = self.args
+        if args.resume:
+            state = resume(self.accelerator, args)
+            self.start_update, self.episode, self.last_checkpoint = state["update"] + 1, state["episode"], state["checkpoint"]
+        self.writer = open_logs(self.accelerator, args, self.run_name, self.episode)  # args.json, TensorBoard and wandb
+        if not args.resume:  # before training: the curves' first point
+            self.evaluate()
+        self.start_episode, self.start_time = self.episode, time.time()
+        for update in tqdm(
+            range(self.start_update, args.num_updates + 1),
+            initial=self.start_update - 1,
+            total=args.num_updates,
+            disable=not self.accelerator.is_local_main_process,
+        ):
+            self.episode += args.batch_size
+            self.update = update
+            yield update
+
+    def reduce_sum(self, tensor):
+        """tensor summed over all processes (a batch statistic of the global batch)"""
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def set_lr(self, optimizer, update):
+        """The learning rate of this update: annealed linearly from --learning_rate to zero over the run."""
+        self.lr = (1.0 - (update - 1.0) / self.args.num_updates) * self.args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr
+
+    # the optimiser step's extras
+
+    def ptx_loss(self, model):
+        """LightRFT's PTX loss, ptx_coef times the policy's next-token loss on this process's next PTX texts (0 without
+        --ptx_coef); model: the policy as prepared (PPO's PolicyAndValue: its policy, through the wrapper)."""
+        if self.ptx_texts is None:
+            return 0.0
+        ids, mask = ptx_batch(
+            self.ptx_texts,
+            self.ptx_stream,
+            self.args.per_device_train_batch_size,
+            self.accelerator,
+            self.tokenizer.pad_token_id,
+        )
+        if isinstance(self.accelerator.unwrap_model(model), PolicyAndValue):
+            logits = model(ids, mask, 0, policy_only=True)
+        else:
+            logits = forward(model, ids, mask).logits
+        loss = lm_loss(logits, ids, mask)
+        self.ptx_losses.append(loss.detach())
+        return self.args.ptx_coef * loss
+
+    def check_finite(self, loss):
+        """Stop the run in one line on a non-finite loss, naming the last good checkpoint."""
+        if not torch.isfinite(torch.as_tensor(loss)):
+            die(f"non-finite loss at update {self.update}; last good checkpoint: {self.last_checkpoint}")
+
+    def clip_gradients(self, model):
+        """At each optimiser step, the gradients clipped to --max_grad_norm; a non-finite norm stops the run."""
+        if self.accelerator.sync_gradients:
+            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            # (None under DeepSpeed versions that clip inside their own step)
+            if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
+                die(f"non-finite gradient at update {self.update}; last good checkpoint: {self.last_checkpoint}")
+
+    def after_step(self, model):
+        """--ema_beta: the EMA of the policy's weights takes in each optimiser step."""
+        if self.ema is not None and self.accelerator.sync_gradients:
+            unwrapped = self.accelerator.unwrap_model(model)
+            self.ema.update_parameters(getattr(unwrapped, "policy", unwrapped))
+        notify("step", self, model)
+
+    # what an update writes
+
+    def log(self, update, batch, stats, advantages, **metrics):
+        """The update's metrics row (metrics.jsonl, TensorBoard, wandb): its statistics (utils.Stats) over all
+        processes, the rewards' (each source's and the weighted score's), episodes per second, the learning rate, the
+        rollout's; then a table of samples every num_updates / num_sample_generations updates, and with
+        --log_completions every completion with its rewards and advantage (advantages: one per completion). Returns
+        the row."""
+        args, accelerator = self.args, self.accelerator
+        if self.ptx_losses:
+            stats.add(**{"loss/ptx": torch.stack(self.ptx_losses).mean()})
+            self.ptx_losses = []
+        row = {"episode": self.episode, "eps": (self.episode - self.start_episode) / (time.time() - self.start_time)}
+        row["lr"] = self.lr
+        row.update(reduce_stats(accelerator, stats))
+        row["val/num_eos_tokens"] = accelerator.reduce(batch.contain_eos.float().sum(), reduction="sum").item()
+        # the weighted score over the completions some source scored; each source's own statistics
+        if self.sources:
+            row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=batch.raw_scores, scored=batch.scored))
+        if args.use_score_scaling:  # the running moments this update's scores were scaled with
+            row["objective/score_mean_running"] = self.sampler.moments.mean
+            row["objective/score_std_running"] = self.sampler.moments.std()
+        if args.response_length_min is not None:
+            row["completions/max_length_allowed"] = batch.max_length
+        row.update(batch.stats)  # --dynamic_sampling: its rounds and groups
+        row.update(metrics)
+        log_metrics(accelerator, self.writer, args, row)
+        every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+        if accelerator.is_main_process and every and (update - 1) % every == 0:
+            print_samples(
+                f"update {update}",
+                prompts=batch.texts[:4],
+                completions=self.tokenizer.batch_decode(batch.responses[:4], skip_special_tokens=True),
+                per_source=batch.per_source,
+                sources=self.sources,
+                scores=batch.raw_scores,
+                scored=batch.scored,
+            )
+        if args.log_completions:
+            write_completions(
+                accelerator,
+                args,
+                episode=self.episode,
+                update=update,
+                prompts=batch.texts,
+                # an episode: its whole conversation
+                completions=batch.conversations or self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True),
+                per_source=batch.per_source,
+                sources=self.sources,
+                scores=batch.raw_scores.masked_fill(~batch.scored, float("nan")),
+                advantages=advantages,
+            )
+        return row
+
+    def evaluate(self):
+        """The held-out evaluation (with --eval_dataset_name, or the TL;DR scripts' eval split): greedy (and
+        --num_eval_generations sampled) completions scored by every reward source (the TL;DR scripts': the reward
+        model); a metrics row, and the samples in output_dir/eval_samples."""
+        args = self.args
+        if self.eval_set is None:
+            return
+        tldr = isinstance(args, TldrArgs)
+        metrics, samples = evaluate(
+            self.accelerator,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            sources=self.sources[:1] if tldr else self.sources,
+            eval_set=self.eval_set,
+            response_length=args.response_length,
+            stop_token_id=self.stop_token_id,
+            batch_size=args.eval_batch_size,
+            k=0 if tldr else args.num_eval_generations,
+            temperature=args.temperature,
+            seed=args.seed + self.episode,  # the same samples in a resumed run
+            sampler=self.sampler,
+            measure=self.measure,
+        )
+        if self.accelerator.is_main_process:
+            record_eval(args.output_dir, episode=self.episode, metrics=metrics, samples=samples, writer=self.writer)
+
+    def evaluate_and_checkpoint(self, update, state=None):
+        """Every --eval_every episodes and at the end, the held-out evaluation; then every --checkpoint_every updates a
+        checkpoint (after the metrics rows, so that a resumed run neither repeats nor loses one; complete or absent),
+        with the script's state (a dict of numbers and tensors) beside the registered objects."""
+        args = self.args
+        crossed = args.eval_every and self.episode // args.eval_every > (self.episode - args.batch_size) // args.eval_every
+        if update == args.num_updates or crossed:
+            self.evaluate()
+        if args.checkpoint_every and update % args.checkpoint_every == 0:
+            state = {"update": update, "episode": self.episode, **(state or {})}
+            self.last_checkpoint = checkpoint(self.accelerator, self.model, args, update, state=state)
+
+    def finish(self, doc, algorithm):
+        """The end of the run: the trained policy saved to output_dir (LoRA: the adapters, or merged with
+        --merge_lora; PPO: the critic to output_dir/critic too, or its value head), the EMA's weights, the tokenizer,
+        the model card (doc: the script's docstring), the hub upload; the engine shut down, the processes left."""
+        args, accelerator = self.args, self.accelerator
+        if args.save_model:
+            save_policy(accelerator, self.model, args)
+        card = dict(script=sys.argv[0], algorithm=algorithm, doc=doc, base_model=args.model_name_or_path, sources=self.sources)
+        engine = self.sampler.engine if self.sampler is not None else None
+        finish(accelerator, args, writer=self.writer, tokenizer=self.tokenizer, ema=self.ema, card=card, engine=engine)
+        if accelerator.is_main_process and isinstance(args, TldrArgs):
+            print(
+                f"judge the final summaries against the references: python benchmark/judge_tldr.py --samples {args.output_dir}"
+                " --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini"
+            )
+
+
+def start(args, k_flag=None, default_reward="sentiment"):
+    """The run: the processes (accelerate), the batch sizes (into args; getattr(args, k_flag) completions per prompt,
+    1 without; default_reward: the reward source without --reward_fn or --reward_model_path, None: none), the checks that
+    need them, a random stream of its own on each process (its mini-batch shuffles; the prompts and the sampling noise
+    come from a generator every process shares, Shuffled), output_dir (a --resume that would change the run is refused),
+    then the tokenizer, the prompts, the reward sources, the held-out set and the PTX texts."""
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision="bf16" if args.bf16 else None,
+        kwargs_handlers=process_group_kwargs(),
+    )
+    check_accelerate_config(
+        accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
+    )
+    args.distributed_type = accelerator.distributed_type.value
+    args.world_size = accelerator.num_processes
+    args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1 or args.total_episodes % args.batch_size:
+        below = args.num_updates * args.batch_size
+        die(
+            f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
+            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
+        )
+    k = getattr(args, k_flag) if k_flag else 1
+    if args.local_batch_size % k:
+        die(
+            f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
+            f"must be a multiple of --{k_flag} {k}"
+        )
+    args.local_prompts = args.local_batch_size // k
+    # every process would need the whole policy to average it
+    if args.ema_beta is not None and zero3(accelerator):
+        die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if zero3(accelerator) and args.use_peft:
+        die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
+    if getattr(args, "cuda_graphs", False) and (accelerator.device.type != "cuda" or zero3(accelerator)):
+        die("--cuda_graphs needs the model whole on a CUDA device: not on a CPU, nor under ZeRO-3 (each step gathers it)")
+    if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
+        die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
+    seed = args.seed + accelerator.process_index * 100003
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # (nothing loaded yet: the script checks its flags first)
+    return Run(args, accelerator, open_output_dir(args), k, default_reward)
+
+
+class Value:
+    """A number the run changes as it goes (PPO's adaptive KL coefficient), which accelerate's checkpoints hold once
+    registered (accelerator.register_for_checkpointing), so that a resumed run goes on with the one it had."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
