@@ -1,7 +1,8 @@
-"""The method the scripts share: sampling and generation, the forward passes (packed where exact), logprobs, entropy
-and the exact KL, the KL estimators, masked statistics, the value head, importance weights, group statistics, and the
-statistics of an update. What one algorithm alone needs (baselines, advantages, losses) stays in its script; the
-plumbing (flags, loading, reward sources, the vLLM engine, checkpoints, logs, the model card) is in infra/, a package
+"""The method the scripts share: the forward passes (packed where exact), the episode loop, the score (the reward
+sources' weighted sum, the missing-EOS penalty, TRL's scaling and clipping), group statistics, importance weights,
+logprobs, entropy and the exact KL, the KL estimators, masked statistics, the value head, and the statistics of an
+update. What one algorithm alone needs (baselines, advantages, losses) stays in its script; the plumbing (flags,
+loading, the decoders and the vLLM engine, reward sources, checkpoints, logs, the model card) is in infra/, a package
 of modules by concern.
 """
 
@@ -162,75 +163,6 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     return logits.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# sampling
-
-
-def sample_tokens(logits, temperature, uniforms):
-    """One token per row from softmax(logits / temperature) by inverse CDF: the first token whose cumulative probability
-    reaches the row's uniform number, so a row's token depends on its own logits and number only, not on the batch or
-    process it is drawn in. Temperature 0: greedy. logits (batch, vocab), uniforms (batch,) -> tokens (batch, 1)."""
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    cdf = torch.softmax(logits.float() / temperature, dim=-1).cumsum(-1)
-    total = cdf[:, -1:]  # rounding leaves it a hair off 1
-    # searched to the right, so a token of probability above zero: u = 0 skips leading zeros, and the target stays
-    # strictly below the total, which u = 1 would reach, running past trailing zeros to the vocabulary's last token
-    target = torch.minimum(uniforms[:, None].to(cdf) * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)  # (the clamp: NaN logits)
-
-
-@torch.no_grad()
-def generate(
-    model,
-    queries,
-    query_mask,
-    response_length,
-    temperature,
-    stop_token_id=None,
-    uniforms=None,
-    group=1,
-    synced=False,
-    max_position=None,
-):
-    """Sample up to response_length tokens per row from softmax(logits / temperature) with a KV cache (no top-k/top-p;
-    temperature 0: greedy), stopping once every row has produced stop_token_id. uniforms (batch, response_length) pick
-    each token (sample_tokens; None: drawn from torch's generator). group: rows come in groups of copies of one query,
-    whose prompt then runs once. synced (ZeRO-3, where each forward pass needs every process): stop only once every
-    process's rows have stopped. max_position: positions past it are held there (the caller throws away a row's tokens
-    past its context's end; attention being causal, they change none before). Returns responses (batch, <=
-    response_length)."""
-    uniforms = (torch.rand(len(queries), response_length) if uniforms is None else uniforms).to(queries.device)
-    out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
-    if group > 1:  # (prompts, ...) -> (prompts * group, ...)
-        out.past_key_values.batch_repeat_interleave(group)
-        out.logits = out.logits.repeat_interleave(group, 0)
-    mask = query_mask
-    places = positions(mask)[:, -1:]
-    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    tokens = []
-    for t in range(response_length):
-        token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, t])  # (batch, 1)
-        tokens.append(token)
-        if stop_token_id is not None:
-            done |= token[:, 0] == stop_token_id
-        if t == response_length - 1:
-            break
-        if synced:
-            pending = (~done).any().float()  # rows still running here; summed over the processes
-            torch.distributed.all_reduce(pending)
-            if pending.item() == 0:
-                break
-        elif done.all():
-            break
-        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-        places = places + 1 if max_position is None else (places + 1).clamp(max=max_position)
-        out = model(
-            input_ids=token, attention_mask=mask, position_ids=places, past_key_values=out.past_key_values, use_cache=True
-        )
-    return torch.cat(tokens, dim=1)
-
-
 def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, context=None, reduce=None):
     """Multi-turn episodes, token in and token out: a row's episode is the tokens the policy sampled, turn after turn,
     and each observation's tokens as they come (never re-rendered from text). Turn t: sample(rows, their prompts +
@@ -314,6 +246,73 @@ def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=N
         "vllm/capped_fraction": fraction,
     }
     return weights, stats
+
+
+def weighted_scores(per_source, weights):
+    """(sources, rows) rewards, NaN where a source returned None, and the sources' weights -> (scores, scored), both
+    (rows,): the weighted sum over the sources that scored each completion; one that no source scored gets 0 and scored
+    False (it takes no part in the update)."""
+    weights = torch.tensor(weights, device=per_source.device)[:, None]
+    return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
+
+
+def score(batch, weights, missing_eos_penalty=None):
+    """Each completion's score (scores, scored), (rows,) each: the reward sources' weighted sum (weighted_scores), less
+    missing_eos_penalty where the completion was cut off before its stop token (an episode: its last turn), subtracted
+    rather than replacing the score as TRL's old trainers did, so that the reward still ranks such completions."""
+    scores, scored = weighted_scores(batch.per_source, weights)
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~batch.contain_eos).float()
+    return scores, scored
+
+
+class ScoreScaler:
+    """TRL's score scaling and clipping of the scored completions (the others untouched): with scaling divided by the
+    running std of every score so far (+ float32's epsilon, as TRL), with norm their running mean subtracted first;
+    with clip clipped to [-clip, clip]. The running moments (count, mean, m2: the sum of squared deviations) take in
+    each batch before it is scaled, over all processes (reduce: a sum over them); a checkpoint holds them."""
+
+    def __init__(self, scaling=False, norm=False, clip=None, reduce=None):
+        self.scaling, self.norm, self.clip, self.reduce = scaling, norm, clip, reduce
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    def __call__(self, scores, scored):
+        out = scores
+        if self.scaling:
+            self.update(scores, scored)
+            out = (out - self.mean if self.norm else out) / (self.std() + torch.finfo(torch.float32).eps)
+        if self.clip is not None:
+            out = out.clamp(-self.clip, self.clip)
+        return torch.where(scored, out, scores)
+
+    def update(self, values, mask):
+        """The values where mask is true merged in (Chan, Golub and LeVeque's pairwise update, exact where summing
+        squares would cancel); every process calls it."""
+        reduce = self.reduce or (lambda x: x)
+        m = mask.to(torch.float32)
+        values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
+        total, n = reduce(torch.stack([(values * m).sum(), m.sum()])).tolist()
+        mean = total / max(n, 1.0)
+        squares = reduce(((values - mean) ** 2 * m).sum())  # around the batch's own mean, not the running one
+        if n == 0:  # no value in the whole batch
+            return
+        count, delta = self.count + n, mean - self.mean
+        self.m2 = self.m2 + squares.item() + delta**2 * self.count * n / count
+        self.count, self.mean = count, self.mean + delta * n / count
+
+    def std(self):
+        """The unbiased standard deviation of the values seen (0 before two values)."""
+        return math.sqrt(self.m2 / max(self.count - 1.0, 1.0))
+
+    def metrics(self):
+        """the running moments this update's scores were scaled with (none without scaling)"""
+        return {"objective/score_mean_running": self.mean, "objective/score_std_running": self.std()} if self.scaling else {}
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
 
 def distinct_groups(scores, scored, k):

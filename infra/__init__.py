@@ -3,9 +3,10 @@
     flags         the flag groups every script's Args inherits
     models        loading models and tokenizers, the processes, the policy, reference and critic a script gets
     data          datasets, prompts (chat templates, tools' schemas), the prompts' draw, the held-out set, PTX texts
-    rewards       reward functions and models, their weighted sum, TRL's score scaling and clipping
+    rewards       reward functions and models, loaded and called
     environments  multi-turn environments and tools (--environment); the episode loop is utils.episodes
-    rollout       the Batch and the Sampler: sampling and scoring a batch, dynamic sampling's rounds
+    rollout       the Batch and the Sampler: drawing prompts, sampling and scoring a batch, dynamic sampling's rounds
+    decode        the scripts' own decoder, generate(), and its inverse-CDF draw
     graphs        --cuda_graphs: decoding steps captured in CUDA graphs
     engine        --use_vllm: a vLLM engine in the training process
     evaluation    the held-out evaluation
@@ -19,11 +20,11 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 
 from .data import teacher_view
 from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs, TldrArgs
-from .models import load_policy, load_policy_and_critic
+from .models import load_policy, load_policy_and_critic, prepare
 from .rollout import Sampler
 from .run import Value, start
 
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs",
-    "load_policy", "load_policy_and_critic", "Sampler", "teacher_view", "Value", "start",
+    "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "Value", "start",
 ]  # fmt: skip

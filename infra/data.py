@@ -111,13 +111,16 @@ def completion_ids(tokenizer, value, field, stop_token_id):
     return tokenizer(value, add_special_tokens=False)["input_ids"] + ([stop_token_id] if stop_token_id is not None else [])
 
 
-def draw_prompts(data, args, k, process_index):
-    """This process's share of the next global batch of prompts, drawn from `data` (a Shuffled) and its generator:
-    (the prompts' indices, the uniforms (prompts * k, response_length) that pick every sampled token, this update's
-    most tokens per completion, the vLLM engine's seeds (prompts,) or None). The noise is drawn for the global batch,
-    so a completion depends on the seed and its place in that batch, not on the process that samples it; the same on
-    every process and again in a resumed run."""
-    idx = data.take(args.local_prompts * args.world_size)
+def draw_prompts(data, args, k, process_index, index=None):
+    """This process's share of the next global batch of prompts, drawn from `data` (a Shuffled) and its generator, or
+    index (the global batch's dataset rows, as a caller picked them): (the prompts' indices, the uniforms (prompts * k,
+    response_length) that pick every sampled token, this update's most tokens per completion, the vLLM engine's seeds
+    (prompts,) or None). The noise is drawn for the global batch, so a completion depends on the seed and its place in
+    that batch, not on the process that samples it; the same on every process and again in a resumed run."""
+    n = args.local_prompts * args.world_size
+    if index is not None and len(index) != n:
+        die(f"a batch draws {n} prompts (on all processes), not {len(index)}")
+    idx = data.take(n) if index is None else [int(i) for i in index]
     width = args.response_length * (args.max_turns if getattr(args, "environment", None) else 1)  # every turn's
     uniforms = torch.rand((len(idx), k, width), generator=data.rng)
     # TRL's LengthSampler: drawn after the uniforms (whose first columns it uses)

@@ -9,11 +9,12 @@ import os
 import torch
 from accelerate.utils import gather_object
 
-from utils import generate
+from utils import weighted_scores
 
 from .data import left_pad
+from .decode import generate
 from .models import zero3
-from .rewards import score_completions, weighted_scores
+from .rewards import score_completions
 from .rollout import Batch, sample_completions
 
 
@@ -29,7 +30,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
     teacher). With --environment (sampler.env) each completion is an episode (greedy or sampled turns), its environment seeded
     by seed and the prompt. eval_set = load_eval's. Each process takes every world_size-th prompt. Returns (metrics, samples)
     on the main process, (None, None) on the others; the samples (prompt, reference, completion, score, ...) are what
-    benchmark/judge_tldr.py judges. model: the policy as accelerate prepared it (PPO's PolicyAndValue: its policy)."""
+    tools/judge_tldr.py judges. model: the policy as accelerate prepared it (PPO's PolicyAndValue: its policy)."""
     policy = accelerator.unwrap_model(model)
     policy = getattr(policy, "policy", policy)
     queries, texts, references, columns, raw = eval_set
@@ -55,7 +56,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             completions, lengths, per_source, stopped = play(idx, repeat, noise, prompts, rows)
         else:
             completions, lengths, per_source, stopped, measured = complete_once(idx, repeat, noise, prompts, rows)
-        scores, scored = weighted_scores(per_source, sources)
+        scores, scored = weighted_scores(per_source, [s["weight"] for s in sources])
         scores = scores.masked_fill(~scored, math.nan).tolist()  # NaN: no source scored it
         scores = [None if math.isnan(x) else x for x in scores]
         return completions, per_source, scores, lengths, stopped, measured
@@ -114,11 +115,10 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
         if measure is not None and noise is None:
             real = torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]
             measured = measure(Batch(
-                texts=prompts, queries=query, context_length=query.shape[1], responses=response, lengths=lengths,
-                padding_mask=~real, query_responses=torch.cat([query, response], 1),
-                attention_mask=torch.cat([query_mask, real.long()], 1), per_source=per_source, scores=None, raw_scores=None,
-                scored=None, contain_eos=stopped, engine_logprobs=None, max_length=response_length, stats={},
-                chunk=len(query), group=1, columns=rows,
+                texts=prompts, index=[i for i in idx for _ in range(repeat)], queries=query, context_length=query.shape[1],
+                responses=response, lengths=lengths, padding_mask=~real, query_responses=torch.cat([query, response], 1),
+                attention_mask=torch.cat([query_mask, real.long()], 1), per_source=per_source, contain_eos=stopped,
+                engine_logprobs=None, max_length=response_length, stats={}, chunk=len(query), group=1, columns=rows,
             ))  # fmt: skip
         completions = [c.strip() for c in tokenizer.batch_decode(response, skip_special_tokens=True)]
         return completions, lengths, per_source, stopped, measured

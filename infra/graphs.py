@@ -7,8 +7,9 @@ import functools
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from utils import die, forward, logprobs_from_logits, sample_tokens
+from utils import die, forward, logprobs_from_logits
 
+from .decode import sample_tokens
 from .engine import error_line, logprobs_differ
 
 

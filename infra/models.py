@@ -168,10 +168,9 @@ def same_vocabulary(tokenizer, other):
 def load_policy(run, reference=True):
     """The run's data (Run.load_data), then the policy (--model_name_or_path; with --use_peft its LoRA adapters), the
     frozen reference (the initial policy; none with reference False, or with LoRA: the policy with its adapters
-    switched off; reference a model's name: that model, distill.py's teacher, whose vocabulary must be the policy's)
-    and the AdamW optimiser, prepared by accelerate; the reward models and the reference on the device (under ZeRO-3
-    sharded over the processes, the reference loaded anew); the EMA of --ema_beta. Returns (policy, ref_policy or
-    None, optimizer)."""
+    switched off; reference a model's name: that model, distill.py's teacher, whose vocabulary must be the policy's;
+    under ZeRO-3 loaded anew, sharded as it loads), as loaded: a script makes the optimiser of the policy's trainable
+    weights, then prepare() readies the three. Returns (policy, ref_policy or None)."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
     teacher = reference if isinstance(reference, str) else None
@@ -196,16 +195,14 @@ def load_policy(run, reference=True):
             else copy.deepcopy(policy)
         )
         ref_policy.eval().requires_grad_(False)
-    policy = trainable(policy, args)
-    policy, optimizer = prepare(run, policy)
-    return policy, prepare_frozen(accelerator, ref_policy), optimizer
+    return trainable(policy, args), ref_policy
 
 
 def load_policy_and_critic(run, value_model_path=None, shared=False):
     """PPO's models: load_policy's, with the critic in one module with the policy (utils.PolicyAndValue), so that one
     optimiser and one DDP or DeepSpeed wrapper hold both. The critic starts from value_model_path, else as the N+
     details study from the (first) reward model if it reads the policy's tokens, else from the policy's trunk with a
-    new head; shared: a value head on the policy's trunk instead. Returns (model, ref_policy or None, optimizer)."""
+    new head; shared: a value head on the policy's trunk instead. Returns (model, ref_policy or None), for prepare()."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
@@ -246,8 +243,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
         for module in (policy, critic):
             if module is not None:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model, optimizer = prepare(run, model)
-    return model, prepare_frozen(accelerator, ref_policy), optimizer
+    return model, ref_policy
 
 
 def trainable(policy, args, gradient_checkpointing=True):
@@ -267,13 +263,11 @@ def trainable(policy, args, gradient_checkpointing=True):
     return policy
 
 
-def prepare(run, model):
-    """The AdamW optimiser of model's trainable weights (with LoRA the adapters; torch's fused kernel, about 4x the
-    default's speed on a 2-core CPU, as transformers' Trainer), both prepared by accelerate; the reward models on the
-    device (under ZeRO-3 sharded as inference engines); the EMA of --ema_beta. Returns (model, optimizer)."""
+def prepare(run, model, optimizer, frozen=None):
+    """The model and its optimiser prepared by accelerate (DDP, DeepSpeed); then the frozen model (the reference or
+    teacher) and the reward models on the device (under ZeRO-3 sharded as inference engines, which needs the config
+    accelerate completes); the EMA of --ema_beta. Returns (model, optimizer, frozen)."""
     args, accelerator = run.args, run.accelerator
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     for source in run.sources:
         if "model" in source:
@@ -289,7 +283,7 @@ def prepare(run, model):
         )
         run.ema.update_parameters(policy)  # the first call copies: the average starts here
         accelerator.register_for_checkpointing(run.ema)
-    return model, optimizer
+    return model, optimizer, prepare_frozen(accelerator, frozen)
 
 
 def save_policy(accelerator, model, args):

@@ -1,5 +1,6 @@
-"""Reward sources: functions (built-in, from files, TRL's keyword convention, async), reward models (read on the
-policy's tokens or re-encoded), their weighted sum, and TRL's score scaling and clipping.
+"""Reward sources: functions (built-in, from files, TRL's keyword convention, async) and reward models (read on the
+policy's tokens or re-encoded), loaded and called; each source's scores of a batch. Their weighted sum and what a script
+does to it are the script's method (utils.score, utils.ScoreScaler).
 """
 
 import inspect
@@ -191,66 +192,6 @@ def get_scores(
         values = check_rewards(values, len(completions), f"function {source['name']}")
         rows.append(torch.tensor([math.nan if v is None else v for v in values], device=query_responses.device))
     return torch.stack(rows) if rows else torch.zeros((0, len(query_responses)), device=query_responses.device)
-
-
-def weighted_scores(per_source, sources):
-    """(sources, batch) rewards, NaN for None -> (scores, scored), both (batch,): the weighted sum over the sources
-    that scored each completion; one that no source scored gets 0 and scored False."""
-    weights = torch.tensor([s["weight"] for s in sources], device=per_source.device)[:, None]
-    return (weights * per_source).nansum(0), ~per_source.isnan().all(0)
-
-
-class Moments:
-    """Running moments of every score so far (--use_score_scaling): count, mean, and m2, the sum of squared deviations
-    from the mean; a checkpoint holds them (state_dict)."""
-
-    def __init__(self):
-        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
-
-    def update(self, values, mask, reduce=None):
-        """This batch's values where mask is true merged in (Chan, Golub and LeVeque's pairwise update, exact where
-        summing squares would cancel). reduce sums the batch's statistics over processes, so the moments are the global
-        batch's; every process calls it."""
-        m = mask.to(torch.float32)
-        values = values.float().masked_fill(~mask, 0.0)  # whatever an unmasked entry holds (NaN too) stays out
-        sums = torch.stack([(values * m).sum(), m.sum()])
-        if reduce is not None:
-            sums = reduce(sums)
-        total, n = sums.tolist()
-        mean = total / max(n, 1.0)
-        squares = ((values - mean) ** 2 * m).sum()  # around the batch's own mean, not the running one
-        if reduce is not None:
-            squares = reduce(squares)
-        if n == 0:  # no value in the whole batch
-            return
-        count = self.count + n
-        delta = mean - self.mean
-        self.m2 = self.m2 + squares.item() + delta**2 * self.count * n / count
-        self.count, self.mean = count, self.mean + delta * n / count
-
-    def std(self):
-        """The unbiased standard deviation of the values seen (0 before two values)."""
-        return math.sqrt(self.m2 / max(self.count - 1.0, 1.0))
-
-    def state_dict(self):
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state_dict(self, state):
-        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
-
-
-def scale_scores(scores, scored, moments=None, norm=False, clip=None):
-    """TRL's scaling and clipping of the scored completions' scores (the others untouched): with moments divided by
-    their running std (+ float32's epsilon, as TRL), with norm their running mean subtracted first; with clip, clipped
-    to [-clip, clip]."""
-    out = scores
-    if moments is not None:
-        if norm:
-            out = out - moments.mean
-        out = out / (moments.std() + torch.finfo(torch.float32).eps)
-    if clip is not None:
-        out = out.clamp(-clip, clip)
-    return torch.where(scored, out, scores)
 
 
 def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):

@@ -2,33 +2,46 @@
 episodes; dynamic sampling's rounds) and the completions of a chunk of rows.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from utils import INVALID_LOGPROB, die, distinct_groups, episodes, generate, pad_cat
+from utils import INVALID_LOGPROB, die, episodes, pad_cat
 
 from .data import cat_rows, completion_ids, draw_prompts, left_pad, select_groups, take_rows
+from .decode import generate
 from .engine import vllm_engine, vllm_generate, vllm_sync
 from .environments import episode_stats
 from .graphs import GraphDecoder
 from .hooks import notify
 from .models import zero3
-from .rewards import Moments, get_scores, scale_scores, score_completions, weighted_scores
+from .rewards import get_scores, score_completions
+
+
+@dataclass
+class Prompts:
+    """This process's share of an update's prompts (Sampler.draw), and the noise that samples their completions."""
+
+    index: list  # the prompts' dataset rows
+    uniforms: torch.Tensor  # (prompts * k, width): each sampled token's uniform number (inverse CDF), every turn's
+    max_length: int  # this update's most tokens per completion (--response_length_min draws it)
+    seeds: Optional[torch.Tensor]  # --use_vllm: the engine's seeds, one per prompt
 
 
 @dataclass
 class Batch:
     """An update's completions, k per prompt (row j * k + i is prompt j's i-th; a prompt's rows adjacent), truncated
-    after the stop token and scored; with --environment, k episodes per prompt. Tensors are (rows, ...): queries
-    (left-padded), responses and padding_mask (rows, width), query_responses and attention_mask (rows, context_length +
-    width). padding_mask is True on every token the policy did not sample: padding, and an episode's observations, so
-    that whatever a script masks with it (the loss, the KL, the entropy, the importance weights, the statistics) counts
-    the policy's tokens only."""
+    after the stop token, and every reward source's scores of them; with --environment, k episodes per prompt. Tensors
+    are (rows, ...): queries (left-padded), responses and padding_mask (rows, width), query_responses and attention_mask
+    (rows, context_length + width). padding_mask is True on every token the policy did not sample: padding, and an
+    episode's observations, so that whatever a script masks with it (the loss, the KL, the entropy, the importance
+    weights, the statistics) counts the policy's tokens only."""
 
     texts: list  # the rows' prompt texts
+    index: list  # the rows' dataset rows (a prompt's, k times)
     queries: torch.Tensor
     context_length: int
     responses: torch.Tensor
@@ -37,13 +50,10 @@ class Batch:
     query_responses: torch.Tensor
     attention_mask: torch.Tensor
     per_source: torch.Tensor  # (sources, rows): each reward source's reward, NaN where it returned None
-    scores: torch.Tensor  # the score the advantages see: weighted, less the missing-EOS penalty, scaled and clipped
-    raw_scores: torch.Tensor  # before the scaling and clipping (objective/scores)
-    scored: torch.Tensor  # whether some source scored the completion (one no source scored takes no part)
-    contain_eos: torch.Tensor  # whether it produced the stop token
+    contain_eos: torch.Tensor  # whether it produced the stop token (an episode: whether its last turn did)
     engine_logprobs: Optional[torch.Tensor]  # --use_vllm: the engine's logprobs of the tokens it sampled
     max_length: int  # this update's most tokens per completion
-    stats: dict  # --dynamic_sampling's metrics
+    stats: dict  # --dynamic_sampling's metrics; --environment's
     chunk: int  # the rows the rollout's forward passes take at a time
     group: int  # the rows that share a prompt in those chunks (utils.forward_grouped)
     conversations: Optional[list] = None  # --environment: each episode's messages, the prompt's first
@@ -51,11 +61,12 @@ class Batch:
 
 
 class Sampler:
-    """Samples and scores each update's batch: k completions of each of this process's share of the next prompts
-    (the scripts' own sampler, or a vLLM engine with --use_vllm, given the policy's weights first), truncated after the
-    stop token, scored by every reward source, the missing-EOS penalty subtracted, TRL's score scaling and clipping
-    applied; with --environment, k multi-turn episodes per prompt instead (utils.episodes); with --dynamic_sampling in
-    rounds, until every process has enough groups whose scores differ."""
+    """Draws each update's prompts (draw), and samples their completions and scores them (sample): k completions of
+    each of this process's share of the prompts (the scripts' own sampler, or a vLLM engine with --use_vllm, given the
+    policy's weights first), truncated after the stop token, scored by every reward source; with --environment, k
+    multi-turn episodes per prompt instead (utils.episodes); with a script's rule for the groups to keep (dynamic
+    sampling), in rounds, until every process has enough groups the rule keeps. What a script does with the scores
+    (their weighted sum, penalties, scaling) is the script's."""
 
     def __init__(self, run, policy):
         self.run, self.args, self.policy, self.k, self.env = run, run.args, policy, run.k, run.env
@@ -63,8 +74,6 @@ class Sampler:
         self.chunk = args.local_rollout_forward_batch_size
         # a prompt's k completions run the prompt once (generate, forward_grouped) where every chunk holds whole prompts
         self.group = self.k if self.chunk % self.k == 0 else 1
-        self.moments = Moments()  # --use_score_scaling: every score so far, on all processes
-        accelerator.register_for_checkpointing(self.moments)
         self.engine = None
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
             self.engine = vllm_engine(accelerator, args, self.unwrapped())
@@ -88,52 +97,57 @@ class Sampler:
         model = self.run.accelerator.unwrap_model(self.policy)
         return getattr(model, "policy", model)
 
-    def sample(self, completions=None):
-        """This update's Batch, without gradients and in the training precision (autocast also covers the reward
-        models, which accelerate did not wrap). completions: a dataset column whose completions stand in for sampled
-        ones (distill.py's off-policy batches), scored as they would be."""
-        run, args = self.run, self.args
-        idx, uniforms, max_length, seeds = draw_prompts(run.data, args, self.k, run.accelerator.process_index)
-        notify("draw", idx)
+    def draw(self, index=None):
+        """This process's share of the next global batch of prompts: the next of the dataset's shuffled order (a new
+        shuffle each pass), or index, the global batch's dataset rows as the caller picked them (the same list on every
+        process); and the noise that samples them (data.draw_prompts), from the run's generator either way."""
+        run = self.run
+        prompts = Prompts(*draw_prompts(run.data, self.args, self.k, run.accelerator.process_index, index=index))
+        notify("draw", prompts.index)
+        return prompts
+
+    def sample(self, prompts, keep=None, completions=None):
+        """The Batch of prompts' completions, without gradients and in the training precision (autocast also covers
+        the reward models, which accelerate did not wrap). keep (DAPO's dynamic sampling): a rule, a Batch -> (prompts,)
+        bools, the groups worth training on; further prompts are then drawn and sampled in rounds (at most
+        --max_sampling_rounds, as many on every process) until every process has its share of groups the rule keeps,
+        the first of them kept in order (a batch still short is filled with the others, earliest first). completions:
+        a dataset column whose completions stand in for sampled ones (distill.py's off-policy batches), scored as they
+        would be."""
+        run = self.run
         if self.engine is not None and completions is None:  # the engine samples with the policy's weights of now
             vllm_sync(self.engine, self.unwrapped())
-        stats = {}
         with torch.no_grad(), run.accelerator.autocast():
-            if getattr(args, "dynamic_sampling", False):
-                rows, stats = self.sample_groups(idx, uniforms, seeds, max_length)
+            if keep is not None:
+                rows, stats = self.sample_groups(prompts, keep)
             else:
-                rows = self.sample_rows(idx, uniforms, seeds, max_length, completions)
-            lengths = rows["lengths"]
-            width = int(lengths.max())
-            responses, policy = rows["responses"][:, :width], rows["policy"][:, :width]
-            engine_logprobs = rows["engine"][:, :width] if rows["engine"] is not None else None
-            queries, query_mask = (x.to(run.device) for x in left_pad(rows["ids"], run.tokenizer.pad_token_id))
-            scores, scored, contain_eos = self.final_scores(rows["per_source"], responses, rows["info"])
-            raw_scores = scores
-            # TRL's score scaling and clipping, of the scored completions; the moments take this batch in first
-            if args.use_score_scaling:
-                self.moments.update(scores, scored, reduce=functools.partial(run.accelerator.reduce, reduction="sum"))
-            scores = scale_scores(
-                scores, scored, self.moments if args.use_score_scaling else None, args.use_score_norm, args.score_clip
-            )
+                rows, stats = self.sample_rows(prompts, completions), {}
+            batch = self.assemble(rows, prompts.max_length, stats)
             if self.env is not None:
-                stats.update(episode_stats(run, rows["info"], policy, lengths))
+                batch.stats.update(episode_stats(run, rows["info"], ~batch.padding_mask, batch.lengths))
+        notify("batch", self, batch)
+        return batch
+
+    def assemble(self, rows, max_length, stats):
+        """sample_rows' rows as a Batch"""
+        run, lengths = self.run, rows["lengths"]
+        width = int(lengths.max())
+        responses = rows["responses"][:, :width]
+        queries, query_mask = (x.to(run.device) for x in left_pad(rows["ids"], run.tokenizer.pad_token_id))
         real = torch.arange(width, device=run.device)[None, :] < lengths[:, None]
-        batch = Batch(
+        return Batch(
             texts=rows["texts"],
+            index=rows["index"],
             queries=queries,
             context_length=queries.shape[1],
             responses=responses,
             lengths=lengths,
-            padding_mask=~policy,
+            padding_mask=~rows["policy"][:, :width],
             query_responses=torch.cat([queries, responses], 1),
             attention_mask=torch.cat([query_mask, real.long()], 1),
             per_source=rows["per_source"],
-            scores=scores,
-            raw_scores=raw_scores,
-            scored=scored,
-            contain_eos=contain_eos,
-            engine_logprobs=engine_logprobs,
+            contain_eos=rows["contain_eos"],
+            engine_logprobs=rows["engine"][:, :width] if rows["engine"] is not None else None,
             max_length=max_length,
             stats=stats,
             chunk=self.chunk,
@@ -141,15 +155,15 @@ class Sampler:
             conversations=rows["messages"],
             columns=rows["columns"],
         )
-        notify("batch", self, batch)
-        return batch
 
-    def sample_rows(self, idx, uniforms, seeds, max_length, completions=None):
-        """k completions (or episodes) of each of the prompts idx, scored: a dict of the rows' prompt token ids, texts,
-        dataset columns, responses (rows, width) (with --environment the whole episodes), lengths, every source's
-        scores (sources, rows), the engine's logprobs (or None), which tokens the policy sampled (rows, width), and with
-        --environment each episode's (turns, cut off, capped, tool calls, failed calls) (rows, 5) and conversation."""
+    def sample_rows(self, prompts, completions=None):
+        """k completions (or episodes) of each of the prompts, scored: a dict of the rows' prompt token ids, texts,
+        dataset rows and columns, responses (rows, width) (with --environment the whole episodes), lengths, every
+        source's scores (sources, rows), whether each stopped, the engine's logprobs (or None), which tokens the policy
+        sampled (rows, width), and with --environment each episode's (turns, cut off, capped, tool calls, failed calls)
+        (rows, 5) and conversation."""
         run, k = self.run, self.k
+        idx, uniforms, seeds, max_length = prompts.index, prompts.uniforms, prompts.seeds, prompts.max_length
         ids = [run.queries[i] for i in idx for _ in range(k)]
         texts = [run.texts[i] for i in idx for _ in range(k)]
         columns = {name: [values[i] for i in idx for _ in range(k)] for name, values in run.columns.items()}
@@ -176,10 +190,16 @@ class Sampler:
             )
             messages = self.env.messages
             per_source = self.score_episodes(ids, responses, lengths, texts, columns)
+        if info is not None:  # an episode stopped if its last turn did
+            contain_eos = info[:, 1] == 0
+        elif run.stop_token_id is not None:
+            contain_eos = (responses == run.stop_token_id).any(1)
+        else:  # without a stop token every completion is complete
+            contain_eos = torch.ones(len(responses), dtype=torch.bool, device=run.device)
         return dict(
-            ids=ids, texts=texts, columns=columns, responses=responses, lengths=lengths, per_source=per_source,
-            engine=engine[:, : responses.shape[1]] if engine is not None else None, policy=policy, info=info,
-            messages=messages,
+            ids=ids, texts=texts, index=[i for i in idx for _ in range(k)], columns=columns, responses=responses,
+            lengths=lengths, per_source=per_source, contain_eos=contain_eos, policy=policy, info=info, messages=messages,
+            engine=engine[:, : responses.shape[1]] if engine is not None else None,
         )  # fmt: skip
 
     def complete(
@@ -309,52 +329,32 @@ class Sampler:
             env_rewards=self.env_rewards,
         )
 
-    def final_scores(self, per_source, responses, info=None):
-        """(scores, scored, contain_eos): the weighted sum over the sources that scored each completion (one that none
-        scored takes no part), less --missing_eos_penalty for a completion cut off before the stop token (or an episode
-        whose last turn was) (subtracted, not replacing the score as TRL's old trainers did, so that the reward still
-        ranks them)"""
-        scores, scored = weighted_scores(per_source, self.run.sources)
-        contain_eos = torch.ones_like(scores, dtype=torch.bool)  # without a stop token every completion is complete
-        if info is not None:
-            contain_eos = info[:, 1] == 0
-        elif self.run.stop_token_id is not None:
-            contain_eos = (responses == self.run.stop_token_id).any(1)
-        if self.args.missing_eos_penalty is not None:
-            scores = scores - self.args.missing_eos_penalty * (~contain_eos).float()
-        return scores, scored, contain_eos
-
-    def sample_groups(self, idx, uniforms, seeds, max_length):
-        """--dynamic_sampling (DAPO, Yu et al. 2025): a group whose completions all got the same score has no advantage
-        to learn from. Generates and scores the groups of this process's prompts idx, then of further batches of
-        prompts drawn as the first (at most --max_sampling_rounds rounds, as many on every process), until every
-        process has local_prompts groups whose scores differ; keeps the first of them, in order (a batch still short
-        is filled with dropped groups, earliest first). Each completion is scored once, as it is generated. Returns
-        the kept groups' rows (sample_rows) and the metrics."""
+    def sample_groups(self, prompts, keep):
+        """Dynamic sampling's rounds (DAPO, Yu et al. 2025): the groups of prompts, then of further prompts drawn as the
+        first (at most --max_sampling_rounds rounds, as many on every process), until every process has local_prompts
+        groups that keep marks; the first of them kept, in order (a batch still short is filled with the unmarked,
+        earliest first). Each completion is scored once, as it is generated. Returns the kept groups' rows
+        (sample_rows) and the metrics."""
         run, args, k = self.run, self.args, self.k
         reduce_sum = functools.partial(run.accelerator.reduce, reduction="sum")
-        rounds_rows, groups, keep = [], [], []  # each round's rows; (round, group) per group; whether scores differ
+        rounds_rows, groups, marked = [], [], []  # each round's rows; (round, group) per group; whether keep marked it
         for rounds in range(1, args.max_sampling_rounds + 1):
             if rounds > 1:  # every round generates up to the update's max_length
-                idx, uniforms, _, seeds = draw_prompts(run.data, args, k, run.accelerator.process_index)
-                notify("draw", idx)
-            rows = self.sample_rows(idx, uniforms, seeds, max_length)
-            # the score the advantages see, clipped (the running scale of --use_score_scaling, positive, makes no group
-            # flat that was not)
-            scores, scored, _ = self.final_scores(rows["per_source"], rows["responses"], rows["info"])
-            keep += distinct_groups(scale_scores(scores, scored, clip=args.score_clip), scored, k).tolist()
-            groups += [(len(rounds_rows), j) for j in range(len(idx))]
+                prompts = dataclasses.replace(self.draw(), max_length=prompts.max_length)
+            rows = self.sample_rows(prompts)
+            marked += keep(self.assemble(rows, prompts.max_length, {})).tolist()
+            groups += [(len(rounds_rows), j) for j in range(len(prompts.index))]
             rounds_rows.append(rows)
-            short = reduce_sum(torch.tensor(float(sum(keep) < args.local_prompts), device=run.device))
+            short = reduce_sum(torch.tensor(float(sum(marked) < args.local_prompts), device=run.device))
             if short.item() == 0:  # every process has enough
                 break
-        chosen, filled = select_groups(keep, args.local_prompts)
+        chosen, filled = select_groups(marked, args.local_prompts)
         parts = []
         for r, rows in enumerate(rounds_rows):  # in generation order
             picked = [j * k + i for g in chosen if groups[g][0] == r for j in [groups[g][1]] for i in range(k)]
             if picked:
                 parts.append(take_rows(rows, picked))
-        counts = torch.tensor([len(keep), len(keep) - sum(keep), filled], device=run.device, dtype=torch.float)
+        counts = torch.tensor([len(marked), len(marked) - sum(marked), filled], device=run.device, dtype=torch.float)
         generated, dropped, filled = reduce_sum(counts).tolist()  # groups, on all processes
         stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/generated": generated}
         stats.update({"dynamic_sampling/dropped": dropped, "dynamic_sampling/filled": filled})

@@ -44,7 +44,7 @@ class Run:
     def __init__(self, args, accelerator, run_name, k, default_reward="sentiment"):
         self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
         self.device = accelerator.device
-        self.episode, self.update, self.start_update, self.last_checkpoint, self.lr = 0, 0, 1, None, args.learning_rate
+        self.episode, self.update, self.start_update, self.last_checkpoint = 0, 0, 1, None
         self.model = self.ema = self.sampler = self.writer = self.measure = None
         self.ptx_losses, self.default_reward = [], default_reward
 
@@ -76,6 +76,7 @@ class Run:
         )
         self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
         self.sources = load_reward_sources(args, self.tokenizer, self.columns, env=self.env, default=self.default_reward)
+        self.weights = [source["weight"] for source in self.sources]  # each source's weight in the score (utils.score)
         self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
         # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
         # own slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own,
@@ -111,12 +112,6 @@ class Run:
     def reduce_sum(self, tensor):
         """tensor summed over all processes (a batch statistic of the global batch)"""
         return self.accelerator.reduce(tensor, reduction="sum")
-
-    def set_lr(self, optimizer, update):
-        """The learning rate of this update: annealed linearly from --learning_rate to zero over the run."""
-        self.lr = (1.0 - (update - 1.0) / self.args.num_updates) * self.args.learning_rate
-        for group in optimizer.param_groups:
-            group["lr"] = self.lr
 
     # the optimiser step's extras
 
@@ -162,26 +157,22 @@ class Run:
 
     # what an update writes
 
-    def log(self, update, batch, stats, advantages, **metrics):
+    def log(self, update, batch, stats, advantages, scores, scored, **metrics):
         """The update's metrics row (metrics.jsonl, TensorBoard, wandb): its statistics (utils.Stats) over all
-        processes, the rewards' (each source's and the weighted score's), episodes per second, the learning rate, the
-        rollout's; then a table of samples every num_updates / num_sample_generations updates, and with
-        --log_completions every completion with its rewards and advantage (advantages: one per completion). Returns
-        the row."""
+        processes, the rewards' (each source's, and the score's: scores, over the completions scored marks), episodes
+        per second, the rollout's, the script's metrics (the learning rate, ...); then a table of samples every
+        num_updates / num_sample_generations updates, and with --log_completions every completion with its rewards and
+        advantage (advantages: one per completion). Returns the row."""
         args, accelerator = self.args, self.accelerator
         if self.ptx_losses:
             stats.add(**{"loss/ptx": torch.stack(self.ptx_losses).mean()})
             self.ptx_losses = []
         row = {"episode": self.episode, "eps": (self.episode - self.start_episode) / (time.time() - self.start_time)}
-        row["lr"] = self.lr
         row.update(reduce_stats(accelerator, stats))
         row["val/num_eos_tokens"] = accelerator.reduce(batch.contain_eos.float().sum(), reduction="sum").item()
         # the weighted score over the completions some source scored; each source's own statistics
         if self.sources:
-            row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=batch.raw_scores, scored=batch.scored))
-        if args.use_score_scaling:  # the running moments this update's scores were scaled with
-            row["objective/score_mean_running"] = self.sampler.moments.mean
-            row["objective/score_std_running"] = self.sampler.moments.std()
+            row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=scores, scored=scored))
         if args.response_length_min is not None:
             row["completions/max_length_allowed"] = batch.max_length
         row.update(batch.stats)  # --dynamic_sampling: its rounds and groups
@@ -195,8 +186,8 @@ class Run:
                 completions=self.tokenizer.batch_decode(batch.responses[:4], skip_special_tokens=True),
                 per_source=batch.per_source,
                 sources=self.sources,
-                scores=batch.raw_scores,
-                scored=batch.scored,
+                scores=scores,
+                scored=scored,
             )
         if args.log_completions:
             write_completions(
@@ -209,7 +200,7 @@ class Run:
                 completions=batch.conversations or self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True),
                 per_source=batch.per_source,
                 sources=self.sources,
-                scores=batch.raw_scores.masked_fill(~batch.scored, float("nan")),
+                scores=scores.masked_fill(~scored, float("nan")),
                 advantages=advantages,
             )
         return row
@@ -264,7 +255,7 @@ class Run:
         finish(accelerator, args, writer=self.writer, tokenizer=self.tokenizer, ema=self.ema, card=card, engine=engine)
         if accelerator.is_main_process and isinstance(args, TldrArgs):
             print(
-                f"judge the final summaries against the references: python benchmark/judge_tldr.py --samples {args.output_dir}"
+                f"judge the final summaries against the references: python tools/judge_tldr.py --samples {args.output_dir}"
                 " --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini"
             )
 

@@ -1,5 +1,5 @@
-"""The benchmark harness's own measuring parts: the GPU memory of compare.run (against a fake nvidia-smi) and
-where_time.py's phase timers around a real run of rloo.py."""
+"""The benchmark harness's own measuring parts: the GPU memory of harness.run (against a fake nvidia-smi) and
+profile/where_time.py's phase timers around a real run of rloo.py."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 from conftest import REPO
 from test_rloo import check_ok, read_metrics
 
-sys.path.insert(0, os.path.join(REPO, "benchmark"))
+sys.path.insert(0, REPO)  # benchmark.harness
 
 # answers like nvidia-smi's memory query on two GPUs: its first call (before the run starts) 100 and 50 MiB in use,
 # then 400 and 250 while the run holds memory, 300 and 150 after it freed some
@@ -20,7 +20,7 @@ if [ "$n" = 0 ]; then printf '100\\n50\\n'; elif [ "$n" -lt 4 ]; then printf '40
 
 
 def test_gpu_memory_is_the_peak_over_the_start(tmp_path, monkeypatch):
-    from compare import run
+    from benchmark.harness import run
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text(FAKE_SMI)
@@ -35,7 +35,7 @@ def test_gpu_memory_is_the_peak_over_the_start(tmp_path, monkeypatch):
 def test_where_time_splits_a_real_run_into_phases(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     out, report = tmp_path / "out", tmp_path / "phases.json"
     proc = run(
-        f"benchmark/where_time.py {report} rloo.py --model_name_or_path {tiny_model_dir}"
+        f"benchmark/profile/where_time.py {report} rloo.py --model_name_or_path {tiny_model_dir}"
         f" --dataset_name {tiny_prompts_file} --rloo_k 4 --total_episodes 32 --per_device_train_batch_size 8"
         f" --gradient_accumulation_steps 2 --response_length 8 --no_save_model --output_dir {out}",
         cwd=tmp_path,

@@ -257,7 +257,7 @@ def test_generate_equals_a_greedy_full_forward(name, attn):
             token = utils.forward(model, seqs, mask).logits[:, -1].argmax(-1, keepdim=True)
             seqs, mask = torch.cat([seqs, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
     for group in (1, 3):
-        responses = utils.generate(model, queries, qmask, response_length=6, temperature=0, group=group)
+        responses = infra.decode.generate(model, queries, qmask, response_length=6, temperature=0, group=group)
         assert responses.tolist() == seqs[:, queries.shape[1] :].tolist()
 
 
@@ -276,7 +276,7 @@ def test_graph_decoder_draws_what_generate_draws(name, attn):
     for temperature, bf16 in [(0.0, False), (0.7, False), (0.7, False), (0.7, True)]:
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                expected = utils.generate(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
+                expected = infra.decode.generate(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
                 got = decoder(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
         except SystemExit as refused:
             message = str(refused)

@@ -1,4 +1,4 @@
-"""benchmark/judge_tldr.py run as a user would, against a real OpenAI-compatible HTTP server on 127.0.0.1 whose
+"""tools/judge_tldr.py run as a user would, against a real OpenAI-compatible HTTP server on 127.0.0.1 whose
 verdicts a test can predict: it prefers the longer of the two summaries it is shown."""
 
 import json
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-SCRIPT = "benchmark/judge_tldr.py"
+SCRIPT = "tools/judge_tldr.py"
 
 
 def fate(index):

@@ -14,7 +14,7 @@ from test_reliability import without_eps
 from test_rloo import VOWELS, check_ok, read_metrics
 
 sys.path.insert(0, REPO)
-import infra  # noqa: E402
+import utils  # noqa: E402
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -31,7 +31,7 @@ def batches():
 
 
 def test_running_moments_match_every_scored_value_so_far():
-    moments, seen = infra.rewards.Moments(), []
+    moments, seen = utils.ScoreScaler(scaling=True), []
     for scores, scored in batches():
         moments.update(scores, scored)
         seen += scores[scored].tolist()
@@ -42,7 +42,7 @@ def test_running_moments_match_every_scored_value_so_far():
 
 def test_running_moments_of_two_processes_equal_one():
     """Each process holds half of every batch; `reduce` adds the other half's sums, as accelerator.reduce would."""
-    one, two, seen = infra.rewards.Moments(), [infra.rewards.Moments(), infra.rewards.Moments()], []
+    one, two, seen = utils.ScoreScaler(scaling=True), [utils.ScoreScaler(scaling=True), utils.ScoreScaler(scaling=True)], []
     for scores, scored in batches():
         one.update(scores, scored)
         half = len(scores) // 2
@@ -57,7 +57,8 @@ def test_running_moments_of_two_processes_equal_one():
                     return t + torch.stack([(other * m).sum(), m.sum()])
                 return t + ((other - batch_mean) ** 2 * m).sum()
 
-            two[p].update(*parts[p], reduce=reduce)
+            two[p].reduce = reduce
+            two[p].update(*parts[p])
         seen += scores[scored].tolist()
         for moments in two:
             assert moments.count == one.count == len(seen)
@@ -70,12 +71,15 @@ CASES = [(True, False, None), (True, True, None), (True, True, 0.8), (False, Fal
 
 @pytest.mark.parametrize("scaling, norm, clip", CASES)
 def test_scale_scores_matches_a_loop_and_leaves_unscored_rows_alone(scaling, norm, clip):
-    moments = infra.rewards.Moments()
+    """The batch joins the running moments first (with scaling), then is scaled by them."""
+    moments = utils.ScoreScaler(scaling=scaling, norm=norm, clip=clip)
     for scores, scored in list(batches())[:2]:
         moments.update(scores, scored)
     scores, scored = next(batches())
     scores = scores.masked_fill(~scored, 7.0)  # an unscored row keeps whatever it holds
-    out = infra.rewards.scale_scores(scores, scored, moments=moments if scaling else None, norm=norm, clip=clip)
+    count = moments.count
+    out = moments(scores, scored)
+    assert moments.count == count + scaling * scored.sum().item()
     std = moments.std()
     for s, ok, o in zip(scores.tolist(), scored.tolist(), out.tolist()):
         expected = s

@@ -78,7 +78,7 @@ def test_rloo_tldr_trains_and_evaluates(run, tmp_path, tldr_dir, tiny_model_dir,
     with open(out / "eval.json") as f:
         assert json.load(f) == evals
 
-    # the samples benchmark/judge_tldr.py reads: the first 10 eval prompts with their references
+    # the samples tools/judge_tldr.py reads: the first 10 eval prompts with their references
     reference = validation_rows(tldr_dir)[:10]
     for row in evals:
         samples = read_samples(out, row["episode"])
@@ -86,7 +86,7 @@ def test_rloo_tldr_trains_and_evaluates(run, tmp_path, tldr_dir, tiny_model_dir,
         assert [s["prompt"] for s in samples] == [r["prompt"] for r in reference]
         assert [s["reference"] for s in samples] == [r["completion"].strip() for r in reference]
         assert row["eval/scores"] == pytest.approx(sum(s["score"] for s in samples) / 10)
-    assert f"benchmark/judge_tldr.py --samples {out}" in proc.stdout
+    assert f"tools/judge_tldr.py --samples {out}" in proc.stdout
 
     from transformers import AutoModelForCausalLM
 

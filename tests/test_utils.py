@@ -254,7 +254,7 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     model, tok = tiny_lm
     queries, mask = infra.data.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
     uniforms = torch.rand(len(queries), 8)
-    ours = utils.generate(model, queries, mask, response_length=8, temperature=0.9, uniforms=uniforms)
+    ours = infra.decode.generate(model, queries, mask, response_length=8, temperature=0.9, uniforms=uniforms)
     seq, seq_mask = queries, mask
     with torch.no_grad():
         for t in range(8):
@@ -264,7 +264,7 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
             seq, seq_mask = torch.cat([seq, token], 1), torch.cat([seq_mask, torch.ones_like(token)], 1)
     assert ours.tolist() == seq[:, queries.shape[1] :].tolist()
     # a row's sample does not depend on the rows batched with it (what lets two processes match one)
-    alone = utils.generate(
+    alone = infra.decode.generate(
         model, queries[1:2, -1:], mask[1:2, -1:], response_length=8, temperature=0.9, uniforms=uniforms[1:2]
     )
     assert alone.tolist() == ours[1:2].tolist()
@@ -280,9 +280,11 @@ def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
     queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # (prompts * 2, query_len)
     texts = [p for p in prompts for _ in range(2)]
     uniforms = torch.rand(len(queries), 10, generator=torch.Generator().manual_seed(0))
-    free = utils.generate(model, queries, mask, response_length=10, temperature=1.0, uniforms=uniforms)
+    free = infra.decode.generate(model, queries, mask, response_length=10, temperature=1.0, uniforms=uniforms)
     stop = free[:, 1:].flatten().mode().values.item()  # a frequent token, so the completions stop at different lengths
-    whole = utils.generate(model, queries, mask, response_length=10, temperature=1.0, stop_token_id=stop, uniforms=uniforms)
+    whole = infra.decode.generate(
+        model, queries, mask, response_length=10, temperature=1.0, stop_token_id=stop, uniforms=uniforms
+    )
     lens = []  # each completion's length, by a loop over its tokens
     for row in whole.tolist():
         lens.append(row.index(stop) + 1 if stop in row else len(row))
@@ -374,8 +376,8 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm, tiny_model
     # generation with the prompt run once per group samples the same tokens from the same numbers
     uniforms = torch.rand(len(queries), 6)
     with torch.no_grad():
-        alone = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms)
-        grouped = utils.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms, group=k)
+        alone = infra.decode.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms)
+        grouped = infra.decode.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms, group=k)
     assert grouped.tolist() == alone.tolist()
 
 
@@ -396,14 +398,14 @@ def test_forward_grouped_runs_rows_in_full_under_a_shorter_sliding_window(tiny_l
 def test_sample_tokens_follows_the_tempered_distribution():
     logits = torch.tensor([[2.0, 0.0, -1.0, 1.0, -30.0]])
     n = 200_000
-    tokens = utils.sample_tokens(logits.expand(n, -1), 0.8, torch.rand(n))[:, 0]
+    tokens = infra.decode.sample_tokens(logits.expand(n, -1), 0.8, torch.rand(n))[:, 0]
     freq = torch.bincount(tokens, minlength=5).float() / n
     torch.testing.assert_close(freq, torch.softmax(logits[0] / 0.8, -1), atol=4e-3, rtol=0)
-    assert utils.sample_tokens(logits, 0.0, torch.rand(1)).item() == 0  # greedy
+    assert infra.decode.sample_tokens(logits, 0.0, torch.rand(1)).item() == 0  # greedy
     # the extreme uniforms never pick a token of zero probability
     edges = torch.tensor([[-1000.0, 2.0, 0.0, 1.0, -1000.0]]).expand(2, -1)
     largest = torch.tensor(1.0).nextafter(torch.tensor(0.0))  # torch.rand's largest value
-    assert utils.sample_tokens(edges, 1.0, torch.stack([torch.tensor(0.0), largest])).tolist() == [[1], [3]]
+    assert infra.decode.sample_tokens(edges, 1.0, torch.stack([torch.tensor(0.0), largest])).tolist() == [[1], [3]]
 
 
 def test_sample_tokens_never_picks_a_zero_probability_token_at_the_ends():
@@ -414,9 +416,9 @@ def test_sample_tokens_never_picks_a_zero_probability_token_at_the_ends():
     for u in [1.0, 1 - 1e-12]:  # (1 - 1e-12 rounds to 1.0 in float32)
         uniforms = torch.full((2,), u, dtype=torch.float64)
         for temperature in (1.0, 0.7):
-            assert utils.sample_tokens(logits, temperature, uniforms).tolist() == [[2], [3]]
+            assert infra.decode.sample_tokens(logits, temperature, uniforms).tolist() == [[2], [3]]
     leading = torch.tensor([[-float("inf"), -1e4, 0.0, 1.0], [-1e4, 2.0, -float("inf"), 0.0]])
-    assert utils.sample_tokens(leading, 1.0, torch.zeros(2)).tolist() == [[2], [1]]
+    assert infra.decode.sample_tokens(leading, 1.0, torch.zeros(2)).tolist() == [[2], [1]]
 
 
 def test_generate_stops_once_every_row_has_stopped(tiny_lm):
@@ -428,7 +430,7 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     prompt = tok("the")["input_ids"]
     uniforms = torch.rand(3, length, generator=torch.Generator().manual_seed(0))
     query, query_mask = infra.data.left_pad([prompt], tok.pad_token_id)
-    first = utils.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
+    first = infra.decode.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
     first = first[0].tolist()
     # rows 1 and 2 go on from row 0's first and second token with its numbers, so they meet its later tokens one and
     # two steps sooner: the stop token below stops the rows at three different steps
@@ -440,7 +442,7 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
         calls.append(kwargs["input_ids"].shape[1])
         return model(**kwargs)
 
-    free = utils.generate(counting, queries, mask, response_length=length, temperature=1.0, uniforms=uniforms)
+    free = infra.decode.generate(counting, queries, mask, response_length=length, temperature=1.0, uniforms=uniforms)
     assert len(calls) == length  # the prompts, then one token per step but the last
     free = free.tolist()
 
@@ -454,7 +456,7 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     last = max(stops)
     assert len(set(stops)) == 3 and last < length - 1
     calls.clear()
-    out = utils.generate(
+    out = infra.decode.generate(
         counting, queries, mask, response_length=length, temperature=1.0, stop_token_id=stop, uniforms=uniforms
     )
     assert out.shape[1] == last + 1 and len(calls) == last + 1

@@ -352,7 +352,7 @@ def test_tldr_scripts_run_gpt_neox_with_vllm(script, run, tmp_path, tiny_tokeniz
 def test_what_vllm_cannot_run_is_refused_in_one_line(family, message, run, tmp_path, tiny_model_dir, tiny_tokenizer_dir,
                                                      tiny_prompts_file):  # fmt: skip
     """A model vLLM cannot run, or runs otherwise than the trainer, stops the run in one line before any update:
-    benchmark/results/vllm_families has the whole family matrix."""
+    benchmark/results/vllm/families has the whole family matrix."""
     model = tiny_model_dir if family == "head16" else save_family(family, tiny_tokenizer_dir, tmp_path / family)
     out = tmp_path / "out"
     proc = run(vllm_command("rloo.py", model, tiny_prompts_file, out, "--total_episodes 16 --per_device_train_batch_size 8"),
@@ -406,7 +406,7 @@ def test_dynamic_sampling_with_vllm_and_the_other_rollout_flags(script, run, tmp
 
 @needs_vllm
 def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
-    """As utils.generate: with no stop token every completion runs to its full length, though the model's EOS token
+    """As infra.decode.generate: with no stop token every completion runs to its full length, though the model's EOS token
     (which vLLM would otherwise stop at, from the model's config) is sampled; with a stop token, at it."""
     from transformers import AutoTokenizer
 
