@@ -64,10 +64,13 @@ class DistillArgs:
     """the column of the dataset's completions, for the updates the student does not sample (--lmbda below 1)"""
 
 
+# the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
+# the algorithm's flags first, then the model and data, then the rest
 @dataclass
-class Args(DistillArgs, infra.RolloutArgs, infra.DataArgs, infra.EvalArgs, infra.RunArgs):
-    """Distillation's flags, then those of the groups every script shares (infra/flags.py): the rollout's, the data's and
-    rewards' (no reward source by default: rewards are only logged), the evaluation's and the run's."""
+class Args(infra.RunArgs, infra.EvalArgs, infra.RolloutArgs, infra.DataArgs, DistillArgs):
+    """Distillation's flags, then those every script shares (infra/flags.py): the score's shaping; the model (the
+    student), data and reward sources (none by default: rewards are only logged); the rollout; the evaluation; the run
+    (the batch and learning rate, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
 
 def _jsd(logits, teacher_logits, beta, temperature):
@@ -148,7 +151,7 @@ def main(args):
         on_policy = random.Random(args.seed * 100003 + update).random() < args.lmbda
         prompts = sampler.draw()
         batch = sampler.sample(prompts) if on_policy else sampler.sample(prompts, completions=args.completion_field)
-        padding_mask = batch.padding_mask  # (rows, width): True where the student did not sample
+        unsampled = batch.unsampled  # (rows, width): True where the student did not sample
 
         # 2. the teacher reads the same completions, after its own prompts with --teacher_prompt_field
         teacher_batch = infra.teacher_view(run, batch, args.teacher_prompt_field)
@@ -161,7 +164,7 @@ def main(args):
             if batch.engine_logprobs is not None:
                 logprobs = utils.rollout_logprobs(accelerator.unwrap_model(student), batch, args.temperature)
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, padding_mask, **args.importance_sampling("token_truncate")
+                    logprobs, batch.engine_logprobs, unsampled, **args.importance_sampling("token_truncate")
                 )
 
         # 3. update: mini-batches x gradient-accumulation micro-batches, one pass; the loss of each optimiser step is
@@ -169,16 +172,16 @@ def main(args):
         # accumulation average them)
         student.train(args.gradient_checkpointing)
         stats = utils.Stats()
-        row_kl = torch.zeros(len(padding_mask), device=run.device)  # each completion's summed sampled-token reverse KL
+        row_kl = torch.zeros(len(unsampled), device=run.device)  # each completion's summed sampled-token reverse KL
         sizes = (args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size)
         mini_batches = utils.minibatches(*sizes, device=run.device)
-        step_tokens = torch.stack([(~padding_mask[torch.cat(micros)]).sum() for micros in mini_batches]).float()
+        step_tokens = torch.stack([(~unsampled[torch.cat(micros)]).sum() for micros in mini_batches]).float()
         step_tokens = run.reduce_sum(step_tokens).clamp(min=1.0) / (args.world_size * args.gradient_accumulation_steps)
         for mb, mini_batch in enumerate(mini_batches):
             for micro in mini_batch:
                 with accelerator.accumulate(student):
-                    mb_mask = ~padding_mask[micro]
-                    width = padding_mask.shape[1] + 1
+                    mb_loss_mask = ~unsampled[micro]
+                    width = unsampled.shape[1] + 1
                     logits = utils.forward_grouped(
                         student,
                         batch.query_responses[micro],
@@ -214,7 +217,7 @@ def main(args):
                         per_token_loss = sampled_token_loss(new_logprobs, mb_teacher_logprobs)
                         if batch.engine_logprobs is not None:  # (sequence_* modes: one weight per row)
                             per_token_loss = per_token_loss * is_weight[micro].reshape(len(micro), -1)
-                    loss = per_token_loss.masked_fill(~mb_mask, 0.0).sum() / step_tokens[mb]
+                    loss = per_token_loss.masked_fill(~mb_loss_mask, 0.0).sum() / step_tokens[mb]
                     loss = loss + run.ptx_loss(student)  # LightRFT's PTX loss, 0 without --ptx_coef
 
                     run.check_finite(loss)
@@ -225,13 +228,13 @@ def main(args):
                     run.after_step(student)  # --ema_beta
 
                     # token means over the whole update, on all processes
-                    sampled_kl = (new_logprobs - mb_teacher_logprobs).masked_fill(~mb_mask, 0.0)
+                    sampled_kl = (new_logprobs - mb_teacher_logprobs).masked_fill(~mb_loss_mask, 0.0)
                     row_kl[micro] = sampled_kl.detach().sum(1)
                     stats.add_tokens(
-                        mb_mask, **{"distill/loss": per_token_loss, "objective/kl": sampled_kl, "entropy": entropy}
+                        mb_loss_mask, **{"distill/loss": per_token_loss, "objective/kl": sampled_kl, "entropy": entropy}
                     )
                     if args.loss == "jsd":
-                        stats.add_tokens(mb_mask, **{"objective/reverse_kl": reverse_kl})
+                        stats.add_tokens(mb_loss_mask, **{"objective/reverse_kl": reverse_kl})
         student.eval()
 
         # the update's statistics, averaged over the processes as they are written

@@ -83,10 +83,13 @@ class GRPOArgs:
     """optimisation passes over each rollout (GRPO's mu); the rollout's logprobs are the old policy's throughout"""
 
 
+# the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
+# the algorithm's flags first, then the model and data, then the rest
 @dataclass
-class Args(GRPOArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.EnvArgs, infra.EvalArgs, infra.RunArgs):
-    """GRPO's flags, then those of the groups every script shares (infra/flags.py): the rollout's, the data's and
-    rewards', the environment's (multi-turn episodes), the evaluation's and the run's."""
+class Args(infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, GRPOArgs):
+    """GRPO's flags, then those every script shares (infra/flags.py): the score's shaping; the model, data and reward
+    sources; the rollout; dynamic sampling; the environment (multi-turn episodes); the evaluation; the run (the batch
+    and learning rate, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
 
 def batch_std(values, reduce=None):
@@ -181,7 +184,7 @@ def main(args):
     if gspo and loss_type != "grpo":
         utils.die("GSPO's objective (--importance_sampling_level sequence) is the mean over completions: --loss_type grpo")
     k = args.num_generations  # completions per prompt
-    run = infra.start(args, k_flag="num_generations")  # processes, seeding, batch sizes, output_dir
+    run = infra.start(args, k=args.num_generations)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen initial
     # policy, which --beta 0 (the default) never runs, so that none is loaded
     policy, ref_policy = infra.load_policy(run, reference=args.beta > 0)
@@ -217,7 +220,7 @@ def main(args):
         # the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups keep
         prompts = sampler.draw()
         batch = sampler.sample(prompts, keep=keep if args.dynamic_sampling else None)
-        padding_mask = batch.padding_mask  # (rows, width): True where the policy did not sample (padding, observations)
+        unsampled = batch.unsampled  # (rows, width): True where the policy did not sample (padding, observations)
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
@@ -229,7 +232,7 @@ def main(args):
             # reference's with --beta
             unwrapped = accelerator.unwrap_model(policy)
             if on_policy:
-                logprobs = torch.full(padding_mask.shape, utils.INVALID_LOGPROB, device=run.device)
+                logprobs = torch.full(unsampled.shape, utils.INVALID_LOGPROB, device=run.device)
             else:
                 logprobs = utils.rollout_logprobs(unwrapped, batch, args.temperature)
             if args.beta:
@@ -238,7 +241,7 @@ def main(args):
 
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
-            loss_mask = ~padding_mask & scored[:, None]  # a completion no reward source scored counts nowhere
+            loss_mask = ~unsampled & scored[:, None]  # a completion no reward source scored counts nowhere
             if args.mask_truncated_completions:
                 loss_mask = loss_mask & batch.contain_eos[:, None]
 
@@ -258,27 +261,27 @@ def main(args):
             for mb, mini_batch in enumerate(mini_batches):
                 for micro in mini_batch:
                     with accelerator.accumulate(policy):
-                        mb_padding, mb_mask = padding_mask[micro], loss_mask[micro]
+                        mb_unsampled, mb_loss_mask = unsampled[micro], loss_mask[micro]
                         logits = utils.forward_grouped(
                             policy,
                             batch.query_responses[micro],
                             batch.attention_mask[micro],
                             context_length=batch.context_length,
                             group=train_group,
-                            logits_to_keep=padding_mask.shape[1] + 1,
+                            logits_to_keep=unsampled.shape[1] + 1,
                         )[:, :-1]
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
                         # padding as in the rollout's logprobs: ratio 1 and KL 0 there, never an overflow
-                        new_logprobs = new_logprobs.masked_fill(mb_padding, utils.INVALID_LOGPROB)
+                        new_logprobs = new_logprobs.masked_fill(mb_unsampled, utils.INVALID_LOGPROB)
                         if on_policy:  # the policy has not stepped since the rollout: these are its logprobs
                             logprobs[micro] = new_logprobs.detach()
                         # the token-level ratio: GRPO treats each token as an action sharing its completion's advantage;
                         # GSPO gives every token its completion's (length-normalised) sequence ratio
                         logprobs_diff = new_logprobs - logprobs[micro]
                         if args.importance_sampling_level == "sequence":
-                            ratio = torch.exp(sequence_log_ratio(logprobs_diff, mb_mask))
+                            ratio = torch.exp(sequence_log_ratio(logprobs_diff, mb_loss_mask))
                         else:
                             ratio = torch.exp(logprobs_diff)
                         mb_advantage = advantages[micro][:, None]
@@ -290,15 +293,15 @@ def main(args):
                             is_weight, _ = utils.importance_weights(
                                 logprobs[micro],
                                 batch.engine_logprobs[micro],
-                                mb_padding,
+                                mb_unsampled,
                                 **args.importance_sampling("token_truncate"),
                             )
                             per_token_loss = per_token_loss * is_weight.reshape(len(is_weight), -1)  # sequence_*: (rows, 1)
-                        trained = mb_mask  # the tokens whose policy loss counts
+                        trained = mb_loss_mask  # the tokens whose policy loss counts
                         if args.top_entropy_quantile < 1.0:  # only the highest-entropy tokens (Wang et al. 2025)
-                            pool = accelerator.pad_across_processes(entropy[mb_mask].detach(), pad_index=-1.0)
+                            pool = accelerator.pad_across_processes(entropy[mb_loss_mask].detach(), pad_index=-1.0)
                             pool = accelerator.gather(pool)
-                            trained = high_entropy_mask(entropy, mb_mask, args.top_entropy_quantile, pool[pool >= 0])
+                            trained = high_entropy_mask(entropy, mb_loss_mask, args.top_entropy_quantile, pool[pool >= 0])
                             per_token_loss = per_token_loss * trained
                         if args.entropy_coef:  # the entropy bonus, on every counted token
                             per_token_loss = per_token_loss - args.entropy_coef * entropy
@@ -307,7 +310,7 @@ def main(args):
                             per_token_loss = per_token_loss + args.beta * kl
                         pg_loss = aggregate_loss(
                             per_token_loss,
-                            mb_mask,
+                            mb_loss_mask,
                             loss_type=loss_type,
                             # not max_length: one token weight every update; an episode's: its budget, as TRL's
                             # max_completion_length covers every turn
@@ -317,7 +320,7 @@ def main(args):
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient
                         # (its backward still runs, so that every process takes part in each step); the mean ratio of
                         # the loss tokens, as val/ratio (a micro-batch without a loss token has none, and no gradient)
-                        skip = args.ratio_threshold is not None and ratio[mb_mask].mean() > args.ratio_threshold
+                        skip = args.ratio_threshold is not None and ratio[mb_loss_mask].mean() > args.ratio_threshold
 
                         loss = pg_loss + run.ptx_loss(policy)  # LightRFT's PTX loss, 0 without --ptx_coef
                         run.check_finite(loss)
@@ -332,7 +335,7 @@ def main(args):
                         low = (ratio < 1.0 - args.epsilon) & (mb_advantage < 0)
                         high = (ratio > 1.0 + epsilon_high) & (mb_advantage > 0)
                         stats.add_tokens(
-                            mb_mask,
+                            mb_loss_mask,
                             **{
                                 "entropy": entropy,
                                 "policy/approxkl_avg": 0.5 * logprobs_diff**2,
@@ -342,32 +345,33 @@ def main(args):
                             },
                         )
                         if args.beta:
-                            stats.add_tokens(mb_mask, kl=kl)
+                            stats.add_tokens(mb_loss_mask, kl=kl)
                         if args.top_entropy_quantile < 1.0:  # the share of tokens that got a policy gradient, and theirs
-                            stats.add_tokens(mb_mask, **{"entropy/trained_fraction": trained.float()})
+                            stats.add_tokens(mb_loss_mask, **{"entropy/trained_fraction": trained.float()})
                             stats.add_tokens(trained, **{"entropy/trained": entropy})
-                        stats.add(**{"loss/policy_avg": pg_loss, "val/ratio": ratio[mb_mask].mean() if mb_mask.any() else 1.0})
+                        mb_ratio = ratio[mb_loss_mask].mean() if mb_loss_mask.any() else 1.0
+                        stats.add(**{"loss/policy_avg": pg_loss, "val/ratio": mb_ratio})
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
         policy.eval()
 
         # the update's statistics, averaged over the processes as they are written; a completion's length is the
         # tokens the policy sampled (an episode's observations not counted, as TRL)
-        lengths = (~padding_mask).sum(1)
+        lengths = (~unsampled).sum(1)
         with torch.no_grad():
             stats.add(
                 **{
                     "frac_reward_zero_std": zero_std.float().mean(),
-                    "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
+                    "objective/entropy": (-logprobs).masked_fill(unsampled, 0.0).sum(1).mean(),
                     "completions/mean_length": lengths.float().mean(),
                     "val/ratio_var": stats.var("val/ratio"),
                 }
             )
             if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's (the rollout's)
                 weighing = args.importance_sampling("token_truncate")
-                stats.add(**utils.importance_weights(logprobs, batch.engine_logprobs, padding_mask, **weighing)[1])
+                stats.add(**utils.importance_weights(logprobs, batch.engine_logprobs, unsampled, **weighing)[1])
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
-                rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(padding_mask, 0.0)
+                rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(unsampled, 0.0)
                 stats.add(**{"objective/kl": rollout_kl.sum(1).mean()})
             # TRL's names: the mean score of the batch's scored completions and their std, the lengths' range
             raw = raw_scores.masked_fill(~scored, 0.0)

@@ -75,10 +75,13 @@ class PPOArgs:
     """passes over each batch"""
 
 
+# the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
+# the algorithm's flags first, then the model and data, then the rest
 @dataclass
-class Args(PPOArgs, infra.RolloutArgs, infra.TldrArgs, infra.RunArgs):
-    """ppo.py's flags with the TL;DR benchmark's defaults; infra.TldrArgs holds its policy, data, reward model and
-    evaluation flags."""
+class Args(infra.RunArgs, infra.RolloutArgs, infra.TldrArgs, PPOArgs):
+    """ppo.py's flags with the TL;DR benchmark's defaults: PPO's flags, then the score's shaping; the TL;DR policy,
+    data, reward model and evaluation (infra.TldrArgs); the rollout; the run (the batch and learning rate, the
+    experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
     score_position: Literal["eos", "after_eos"] = "after_eos"
     """the token the score is added to: the last real one (the stop token), or one past it as TRL's PPOTrainer did in
@@ -183,7 +186,7 @@ def main(args):
     # TRL's --use_score_scaling, --use_score_norm and --score_clip; a checkpoint holds the running moments
     scaler = utils.ScoreScaler(args.use_score_scaling, args.use_score_norm, args.score_clip, reduce=run.reduce_sum)
     accelerator.register_for_checkpointing(scaler)
-    kl_coef = infra.Value(args.kl_coef)  # adapted by --kl_target; a checkpoint holds it
+    kl_coef = infra.CheckpointedNumber(args.kl_coef)  # adapted by --kl_target; a checkpoint holds it
     accelerator.register_for_checkpointing(kl_coef)
 
     for update in run.updates():  # from the one after the newest checkpoint with --resume
@@ -195,7 +198,7 @@ def main(args):
         # 1. this process's share of the next prompts; a completion of each, truncated after the stop token, and each
         # reward source's scores
         batch = sampler.sample(sampler.draw())
-        padding_mask, width = batch.padding_mask, batch.padding_mask.shape[1]  # (rows, width): True past the end
+        unsampled, width = batch.unsampled, batch.unsampled.shape[1]  # (rows, width): True past the end
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
@@ -222,38 +225,38 @@ def main(args):
                     full_kls.append(utils.full_kl(logits, ref_logits, args.temperature))
                 del logits, ref_logits  # (chunk, width, vocab) each: freed before the next chunk allocates its own
             # chunks may stop at different lengths: each padded to the longest
-            logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
-            ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB).masked_fill(padding_mask, utils.INVALID_LOGPROB)
+            logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(unsampled, utils.INVALID_LOGPROB)
+            ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB).masked_fill(unsampled, utils.INVALID_LOGPROB)
             # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
             # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
             values = utils.pad_cat(values, 0.0)[:, :width]
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, in each token's reward
             if kl_estimator == "full":
-                kl = utils.pad_cat(full_kls, 0.0).masked_fill(padding_mask, 0.0)
+                kl = utils.pad_cat(full_kls, 0.0).masked_fill(unsampled, 0.0)
             else:
-                kl = utils.kl_estimate(logprobs, ref_logprobs, kl_estimator).masked_fill(padding_mask, 0.0)
+                kl = utils.kl_estimate(logprobs, ref_logprobs, kl_estimator).masked_fill(unsampled, 0.0)
             non_score_reward = -kl_coef.value * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
             # PPO: the score on one token (--score_position), the KL penalty on every token
             rewards, value_mask = place_scores(non_score_reward, scores, batch.lengths, args.score_position)
             rlhf_reward = rewards.sum(1)
             # a completion that no reward source scored takes no part in the update: no value target, no advantage
             value_mask = value_mask & scored[:, None]
-            train_mask = ~padding_mask & scored[:, None]
+            loss_mask = ~unsampled & scored[:, None]
             if args.whiten_rewards:
                 rewards = utils.masked_whiten(rewards, value_mask, False, run.reduce_sum).masked_fill(~value_mask, 0.0)
 
             # 4. advantages: GAE over real tokens, then whitened over those of all processes
             values = values.masked_fill(~value_mask, 0.0)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = utils.masked_whiten(advantages, train_mask, reduce=run.reduce_sum).masked_fill(~train_mask, 0.0)
+            advantages = utils.masked_whiten(advantages, loss_mask, reduce=run.reduce_sum).masked_fill(~loss_mask, 0.0)
 
             # --use_vllm: the engine sampled; each token's (or completion's) probability under the trainer over the
             # engine's, truncated or masked (--vllm_importance_sampling_mode), weighs its policy loss
             is_weight = torch.ones_like(logprobs)
             if batch.engine_logprobs is not None:
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, padding_mask, **args.importance_sampling("token_truncate")
+                    logprobs, batch.engine_logprobs, unsampled, **args.importance_sampling("token_truncate")
                 )
                 is_weight = is_weight.reshape(len(is_weight), -1)  # (rows, width), or (rows, 1) for a completion's
 
@@ -266,14 +269,14 @@ def main(args):
             for mini_batch in utils.minibatches(*sizes, device=run.device):
                 for micro in mini_batch:
                     with accelerator.accumulate(model):
-                        mb_mask, mb_value_mask = train_mask[micro], value_mask[micro]
+                        mb_loss_mask, mb_value_mask = loss_mask[micro], value_mask[micro]
                         logits, vpred = model(batch.query_responses[micro], batch.attention_mask[micro], width + 1)
                         logits = logits[:, :-1]
                         vpred = vpred[:, batch.context_length - 1 : -1].masked_fill(~mb_value_mask, 0.0)
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
-                        new_logprobs = new_logprobs.masked_fill(~mb_mask, utils.INVALID_LOGPROB)
+                        new_logprobs = new_logprobs.masked_fill(~mb_loss_mask, utils.INVALID_LOGPROB)
 
                         # PPO: the per-token ratio, clipped; the critic's loss clipped around the rollout's values
                         logprobs_diff = new_logprobs - logprobs[micro]
@@ -281,7 +284,7 @@ def main(args):
                         mb_advantage = advantages[micro]
                         pg_losses = -mb_advantage * ratio
                         pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
-                        pg_loss = utils.masked_mean(torch.max(pg_losses, pg_losses2) * is_weight[micro], mb_mask)
+                        pg_loss = utils.masked_mean(torch.max(pg_losses, pg_losses2) * is_weight[micro], mb_loss_mask)
                         vf_loss, vf_clipfrac = value_loss(
                             vpred,
                             values=values[micro],
@@ -295,13 +298,14 @@ def main(args):
                         loss = policy_weight * pg_loss + args.vf_coef * vf_loss
                         if args.kl_penalty == "loss":
                             kl_loss = utils.kl_estimate(new_logprobs, ref_logprobs[micro], kl_estimator)
-                            loss = loss + policy_weight * kl_coef.value * utils.masked_mean(kl_loss, mb_mask)
+                            loss = loss + policy_weight * kl_coef.value * utils.masked_mean(kl_loss, mb_loss_mask)
                         loss = loss + policy_weight * run.ptx_loss(model)  # LightRFT's PTX loss, 0 without --ptx_coef
                         run.check_finite(loss)
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient,
                         # to the critic either (whose loss reaches the policy's trunk with --value_head_shared); its
                         # backward still runs, so that every process takes part in each step
-                        skip = args.ratio_threshold is not None and utils.masked_mean(ratio, mb_mask) > args.ratio_threshold
+                        mb_ratio = utils.masked_mean(ratio, mb_loss_mask)
+                        skip = args.ratio_threshold is not None and mb_ratio > args.ratio_threshold
 
                         accelerator.backward(loss * 0.0 if skip else loss)
                         if warmup and accelerator.sync_gradients and accelerator.state.deepspeed_plugin is None:
@@ -314,16 +318,16 @@ def main(args):
                         optimizer.zero_grad()
                         run.after_step(model)  # --ema_beta
 
-                        approxkls.append(0.5 * utils.masked_mean(logprobs_diff**2, mb_mask))
+                        approxkls.append(0.5 * utils.masked_mean(logprobs_diff**2, mb_loss_mask))
                         stats.add(
                             **{
                                 "policy/approxkl_avg": approxkls[-1],
-                                "policy/clipfrac_avg": utils.masked_mean((pg_losses2 > pg_losses).float(), mb_mask),
+                                "policy/clipfrac_avg": utils.masked_mean((pg_losses2 > pg_losses).float(), mb_loss_mask),
                                 "loss/policy_avg": pg_loss,
                                 "loss/value_avg": vf_loss,
                                 "val/clipfrac_avg": vf_clipfrac,
-                                "policy/entropy_avg": utils.masked_mean(entropy, mb_mask),
-                                "val/ratio": utils.masked_mean(ratio, mb_mask),
+                                "policy/entropy_avg": utils.masked_mean(entropy, mb_loss_mask),
+                                "val/ratio": mb_ratio,
                             }
                         )
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
@@ -339,7 +343,7 @@ def main(args):
             stats.add(
                 **{
                     "objective/kl": kl.sum(1).mean(),
-                    "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
+                    "objective/entropy": (-logprobs).masked_fill(unsampled, 0.0).sum(1).mean(),
                     "objective/non_score_reward": non_score_reward.sum(1).mean(),
                     "objective/rlhf_reward": rlhf_reward.mean(),
                     "val/response_length": batch.lengths.float().mean(),
@@ -353,7 +357,7 @@ def main(args):
             metrics = {"lr": lr, **scaler.metrics(), "objective/kl_coef": kl_coef.value}
             if args.critic_warmup_updates:
                 metrics["policy/critic_warmup"] = float(warmup)
-            completion_advantages = utils.masked_mean(advantages, train_mask, dim=1)  # --log_completions: each one's mean
+            completion_advantages = utils.masked_mean(advantages, loss_mask, dim=1)  # --log_completions: each one's mean
         row = run.log(update, batch, stats, completion_advantages, raw_scores, scored, **metrics)  # metrics.jsonl, ...
 
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update (held while the policy is)

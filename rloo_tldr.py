@@ -49,10 +49,13 @@ class RLOOArgs:
     """passes over each batch (1 epoch and 1 mini-batch: plain REINFORCE with the leave-one-out baseline)"""
 
 
+# the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
+# the algorithm's flags first, then the model and data, then the rest
 @dataclass
-class Args(RLOOArgs, infra.GroupArgs, infra.RolloutArgs, infra.TldrArgs, infra.RunArgs):
-    """rloo.py's flags with the TL;DR benchmark's defaults; infra.TldrArgs holds its policy, data, reward model and
-    evaluation flags."""
+class Args(infra.RunArgs, infra.GroupArgs, infra.RolloutArgs, infra.TldrArgs, RLOOArgs):
+    """rloo.py's flags with the TL;DR benchmark's defaults: RLOO's flags, then the score's shaping; the TL;DR policy,
+    data, reward model and evaluation (infra.TldrArgs); the rollout; dynamic sampling; the run (the batch and learning
+    rate, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
     kl_coef: float = 0.03
     """the weight of the KL penalty in the reward"""
@@ -99,7 +102,7 @@ def main(args):
     if (args.vllm_importance_sampling_mode or "sequence").startswith("token"):
         utils.die("RLOO's ratio is the completion's: --vllm_importance_sampling_mode sequence_truncate or sequence_mask")
     k = args.rloo_k  # completions per prompt
-    run = infra.start(args, k_flag="rloo_k")  # processes, seeding, batch sizes, output_dir
+    run = infra.start(args, k=args.rloo_k)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen reference
     policy, ref_policy = infra.load_policy(run)
     # AdamW on the trainable weights (LoRA: the adapters), eps 1e-5 as TRL's; fused: about 4x the default's speed on a CPU
@@ -129,7 +132,7 @@ def main(args):
         # the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups keep
         prompts = sampler.draw()
         batch = sampler.sample(prompts, keep=keep if args.dynamic_sampling else None)
-        padding_mask = batch.padding_mask  # (rows, width): True where the policy did not sample (padding, observations)
+        unsampled = batch.unsampled  # (rows, width): True where the policy did not sample (padding, observations)
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
@@ -148,7 +151,7 @@ def main(args):
             is_weight = torch.ones_like(scores)
             if batch.engine_logprobs is not None:
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, padding_mask, **args.importance_sampling("sequence_truncate")
+                    logprobs, batch.engine_logprobs, unsampled, **args.importance_sampling("sequence_truncate")
                 )
 
             # 3. KL penalty: the per-token estimate (or the exact KL) against the reference, zero on padding, summed
@@ -156,7 +159,7 @@ def main(args):
             if args.kl_estimator == "full":
                 kl = utils.rollout_full_kl(unwrapped, ref_policy, batch, args.temperature)
             else:
-                kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(padding_mask, 0.0)
+                kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(unsampled, 0.0)
             non_score_reward = -args.kl_coef * kl.sum(1)
             rlhf_reward = scores + non_score_reward
 
@@ -164,7 +167,7 @@ def main(args):
             advantages = rloo_advantages(rlhf_reward, k, scored)
             if args.normalize_advantage:  # over the global batch's scored completions; the others keep 0
                 advantages = utils.masked_whiten(advantages, scored, reduce=run.reduce_sum).masked_fill(~scored, 0)
-            seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
+            seq_logprobs = logprobs.masked_fill(unsampled, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
         policy.train(args.gradient_checkpointing)
@@ -181,12 +184,12 @@ def main(args):
                             batch.attention_mask[micro],
                             context_length=batch.context_length,
                             group=train_group,
-                            logits_to_keep=padding_mask.shape[1] + 1,
+                            logits_to_keep=unsampled.shape[1] + 1,
                         )[:, :-1]
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
-                        new_logprobs = new_logprobs.masked_fill(padding_mask[micro], 0.0)
+                        new_logprobs = new_logprobs.masked_fill(unsampled[micro], 0.0)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro]
                         ratio = torch.exp(logprobs_diff)
@@ -205,7 +208,7 @@ def main(args):
                         optimizer.zero_grad()
                         run.after_step(policy)  # --ema_beta
 
-                        real = ~padding_mask[micro]
+                        real = ~unsampled[micro]
                         stats.add(
                             **{
                                 "policy/approxkl_avg": 0.5 * (logprobs_diff**2).mean(),
@@ -223,10 +226,10 @@ def main(args):
         stats.add(
             **{
                 "objective/kl": kl.sum(1).mean(),
-                "objective/entropy": (-logprobs).masked_fill(padding_mask, 0.0).sum(1).mean(),
+                "objective/entropy": (-logprobs).masked_fill(unsampled, 0.0).sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
-                "val/response_length": (~padding_mask).sum(1).float().mean(),  # the policy's tokens (not observations)
+                "val/response_length": (~unsampled).sum(1).float().mean(),  # the policy's tokens (not observations)
                 "val/ratio_var": stats.var("val/ratio"),
             }
         )

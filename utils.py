@@ -220,7 +220,7 @@ def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, con
 # importance weights and group statistics
 
 
-def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=None, clip_max=3.0):
+def importance_weights(logprobs, engine_logprobs, unsampled, mode, clip_min=None, clip_max=3.0):
     """Importance sampling of an engine's samples (TRL's vllm_importance_sampling_mode; Yao et al. 2025, "Your
     Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the trainer's probability of what the engine
     sampled over the engine's, so that a loss computed as if the trainer had sampled is corrected for the engine
@@ -228,8 +228,8 @@ def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=N
     (rows,), the ratio of the completions' probabilities. *_truncate: the ratio clipped to [clip_min, clip_max];
     *_mask: the ratio, or 0 outside [clip_min, clip_max] (a bound None: none). Returns the weights and their metrics:
     the mean and max |logprob difference| over real tokens, and the fraction of ratios outside the bounds."""
-    real = ~padding_mask
-    diff = (logprobs - engine_logprobs).masked_fill(padding_mask, 0.0)
+    real = ~unsampled
+    diff = (logprobs - engine_logprobs).masked_fill(unsampled, 0.0)
     level, action = mode.split("_")
     ratio = diff.sum(1).exp() if level == "sequence" else diff.exp()
     low = -math.inf if clip_min is None else clip_min
@@ -239,7 +239,7 @@ def importance_weights(logprobs, engine_logprobs, padding_mask, mode, clip_min=N
     fraction = outside.float().mean() if level == "sequence" else outside.sum() / real.sum().clamp(min=1)
     weights = ratio.clamp(low, high) if action == "truncate" else ratio.masked_fill(outside, 0.0)
     if level == "token":
-        weights = weights.masked_fill(padding_mask, 1.0)
+        weights = weights.masked_fill(unsampled, 1.0)
     stats = {
         "vllm/logprob_diff_mean": diff.abs().sum() / real.sum().clamp(min=1),
         "vllm/logprob_diff_max": diff.abs().max(),
@@ -480,7 +480,7 @@ def rollout_logprobs(model, batch, temperature):
         logits = forward_grouped(model, query_response, mask, batch.context_length, batch.group, response.shape[1] + 1)
         logprobs.append(logprobs_from_logits(logits[:, :-1], response, temperature))
         del logits  # (chunk, width, vocab): freed before the next chunk allocates its own
-    return pad_cat(logprobs, INVALID_LOGPROB).masked_fill(batch.padding_mask, INVALID_LOGPROB)
+    return pad_cat(logprobs, INVALID_LOGPROB).masked_fill(batch.unsampled, INVALID_LOGPROB)
 
 
 @torch.no_grad()
@@ -496,7 +496,7 @@ def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
             ref_logits = forward_grouped(ref, ref_query, ref_mask, ref_batch.context_length, batch.group, width)[:, :-1]
         kls.append(full_kl(logits, ref_logits, temperature))
         del logits, ref_logits
-    return pad_cat(kls, 0.0).masked_fill(batch.padding_mask, 0.0)
+    return pad_cat(kls, 0.0).masked_fill(batch.unsampled, 0.0)
 
 
 def minibatches(n, mini, micro, group=1, device=None):

@@ -22,9 +22,9 @@ from .data import teacher_view
 from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs, TldrArgs
 from .models import load_policy, load_policy_and_critic, prepare
 from .rollout import Sampler
-from .run import Value, start
+from .run import CheckpointedNumber, start
 
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs",
-    "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "Value", "start",
+    "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
 ]  # fmt: skip

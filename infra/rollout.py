@@ -35,8 +35,8 @@ class Prompts:
 class Batch:
     """An update's completions, k per prompt (row j * k + i is prompt j's i-th; a prompt's rows adjacent), truncated
     after the stop token, and every reward source's scores of them; with --environment, k episodes per prompt. Tensors
-    are (rows, ...): queries (left-padded), responses and padding_mask (rows, width), query_responses and attention_mask
-    (rows, context_length + width). padding_mask is True on every token the policy did not sample: padding, and an
+    are (rows, ...): queries (left-padded), responses and unsampled (rows, width), query_responses and attention_mask
+    (rows, context_length + width). unsampled is True on every token the policy did not sample: padding, and an
     episode's observations, so that whatever a script masks with it (the loss, the KL, the entropy, the importance
     weights, the statistics) counts the policy's tokens only."""
 
@@ -46,7 +46,7 @@ class Batch:
     context_length: int
     responses: torch.Tensor
     lengths: torch.Tensor  # each completion's tokens, the stop token included (an episode's, observations included)
-    padding_mask: torch.Tensor  # True where the policy did not sample the token
+    unsampled: torch.Tensor  # True where the policy did not sample the token
     query_responses: torch.Tensor
     attention_mask: torch.Tensor
     per_source: torch.Tensor  # (sources, rows): each reward source's reward, NaN where it returned None
@@ -124,7 +124,7 @@ class Sampler:
                 rows, stats = self.sample_rows(prompts, completions), {}
             batch = self.assemble(rows, prompts.max_length, stats)
             if self.env is not None:
-                batch.stats.update(episode_stats(run, rows["info"], ~batch.padding_mask, batch.lengths))
+                batch.stats.update(episode_stats(run, rows["info"], ~batch.unsampled, batch.lengths))
         notify("batch", self, batch)
         return batch
 
@@ -142,7 +142,7 @@ class Sampler:
             context_length=queries.shape[1],
             responses=responses,
             lengths=lengths,
-            padding_mask=~rows["policy"][:, :width],
+            unsampled=~rows["policy"][:, :width],
             query_responses=torch.cat([queries, responses], 1),
             attention_mask=torch.cat([query_mask, real.long()], 1),
             per_source=rows["per_source"],

@@ -260,12 +260,12 @@ class Run:
             )
 
 
-def start(args, k_flag=None, default_reward="sentiment"):
-    """The run: the processes (accelerate), the batch sizes (into args; getattr(args, k_flag) completions per prompt,
-    1 without; default_reward: the reward source without --reward_fn or --reward_model_path, None: none), the checks that
-    need them, a random stream of its own on each process (its mini-batch shuffles; the prompts and the sampling noise
-    come from a generator every process shares, Shuffled), output_dir (a --resume that would change the run is refused),
-    then the tokenizer, the prompts, the reward sources, the held-out set and the PTX texts."""
+def start(args, k=1, default_reward="sentiment"):
+    """The run: the processes (accelerate), the batch sizes (into args; k completions per prompt; default_reward: the
+    reward source without --reward_fn or --reward_model_path, None: none), the checks that need them, a random stream
+    of its own on each process (its mini-batch shuffles; the prompts and the sampling noise come from a generator every
+    process shares, Shuffled), output_dir (a --resume that would change the run is refused), then the tokenizer, the
+    prompts, the reward sources, the held-out set and the PTX texts."""
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision="bf16" if args.bf16 else None,
@@ -287,11 +287,10 @@ def start(args, k_flag=None, default_reward="sentiment"):
             f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
             f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
         )
-    k = getattr(args, k_flag) if k_flag else 1
     if args.local_batch_size % k:
         die(
             f"per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches = {args.local_batch_size} "
-            f"must be a multiple of --{k_flag} {k}"
+            f"must be a multiple of the {k} completions per prompt"
         )
     args.local_prompts = args.local_batch_size // k
     # every process would need the whole policy to average it
@@ -311,7 +310,7 @@ def start(args, k_flag=None, default_reward="sentiment"):
     return Run(args, accelerator, open_output_dir(args), k, default_reward)
 
 
-class Value:
+class CheckpointedNumber:
     """A number the run changes as it goes (PPO's adaptive KL coefficient), which accelerate's checkpoints hold once
     registered (accelerator.register_for_checkpointing), so that a resumed run goes on with the one it had."""
 
