@@ -52,8 +52,8 @@ class DistillArgs:
     """a dataset column holding the teacher's own prompt (a system message, a hint, the answer), rendered as the
     prompts are; None: the student's prompt"""
     loss: Literal["jsd", "sampled"] = "jsd"
-    """jsd: the generalised JSD over the whole vocabulary; sampled: the sampled token's reverse KL as a per-token
-    advantage (see the module docstring)"""
+    """jsd: the generalised JSD over the whole vocabulary (see --beta); sampled: the sampled token's reverse KL,
+    log p_student - log p_teacher, as its negative advantage in a per-token policy-gradient step (docs/algorithms.md)"""
     beta: float = 1.0
     """the generalised JSD's interpolation (TRL's): 0 forward KL(teacher || student), 1 reverse KL(student || teacher),
     0.5 the JSD"""

@@ -55,7 +55,9 @@ class GRPOArgs:
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
     loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo"]] = None
-    """how per-token losses are aggregated (see the module docstring); None: dapo, as TRL 1.16, or with
+    """how per-token losses are aggregated: grpo, each completion's token mean, then the mean over completions; bnpo,
+    the micro-batch's token mean; dr_grpo, the token sum / (completions x response_length); dapo, the token sum / the
+    tokens of the optimiser step's global batch (docs/algorithms.md). None: dapo, as TRL 1.16, or with
     --importance_sampling_level sequence grpo, GSPO's mean over completions of each one's loss"""
     entropy_coef: float = 0.0
     """subtract entropy_coef times each counted token's entropy from its loss: a bonus that keeps the policy from

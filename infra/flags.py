@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 import tyro
@@ -133,7 +133,9 @@ class DataArgs(ScoreArgs):
     (examples/reward_server.py asks an HTTP server); repeat the flag for several. With no reward source at all: sentiment"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward source, in the order: reward models, then functions (each as given); default all 1"""
-    dataset_name: str = PROMPTS
+    dataset_name: Annotated[str, tyro.conf.arg(help_behavior_hint="(default: data/prompts.jsonl in this repository)")] = (
+        PROMPTS
+    )
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
     dataset_split: str = "train"
     """the dataset split to train on"""
@@ -273,8 +275,20 @@ class EnvArgs(Checked):
 
 @dataclass
 class RunArgs(Checked):
-    """The experiment and its outputs, the batch and the optimisation's extras, and the sizes filled in at runtime (no
-    flags)."""
+    """The batch and its optimisation, the experiment and its outputs, the optimisation's extras, and the sizes filled in
+    at runtime (no flags)."""
+
+    # the batch and its optimisation
+    total_episodes: int = 384
+    """total completions to train on, a multiple of the batch"""
+    per_device_train_batch_size: int = 8
+    """completions per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches accumulated per optimiser step"""
+    num_mini_batches: int = 1
+    """optimiser steps per epoch over the batch"""
+    learning_rate: float = 5e-5
+    """the AdamW learning rate, annealed linearly to zero"""
 
     # experiment
     exp_name: str = dataclasses.field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
@@ -343,18 +357,6 @@ class RunArgs(Checked):
     """the column of --ptx_dataset holding the texts"""
     ptx_max_length: Optional[int] = None
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
-
-    # the batch and its optimisation
-    total_episodes: int = 384
-    """total completions to train on, a multiple of the batch"""
-    per_device_train_batch_size: int = 8
-    """completions per forward/backward pass on each device"""
-    gradient_accumulation_steps: int = 2
-    """micro-batches accumulated per optimiser step"""
-    num_mini_batches: int = 1
-    """optimiser steps per epoch over the batch"""
-    learning_rate: float = 5e-5
-    """the AdamW learning rate, annealed linearly to zero"""
 
     # to be filled in at runtime
     distributed_type: tyro.conf.Suppress[str] = ""
