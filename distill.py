@@ -114,8 +114,6 @@ def main(args):
         utils.die(f"--beta and --lmbda must lie in [0, 1], got {args.beta} and {args.lmbda}")
     if args.loss == "sampled" and args.lmbda < 1.0:
         utils.die("--loss sampled is a policy gradient on the student's own samples: it needs --lmbda 1 (or use --loss jsd)")
-    if args.use_score_scaling or args.score_clip is not None:
-        utils.die("distillation trains on no score (a --reward_fn is only logged): no --use_score_scaling or --score_clip")
     run = infra.start(args, default_reward=None)  # processes, seeding, batch sizes, output_dir; no reward by default
     # the tokenizer, prompts and any reward sources; the student (LoRA, gradient checkpointing) and the frozen teacher
     # in the reference's place (sharded under ZeRO-3), its vocabulary checked against the student's first
@@ -132,7 +130,10 @@ def main(args):
         if needed and field not in run.columns:
             utils.die(f"the dataset has no column {field!r} for {flag}; its columns: {sorted(run.columns)}")
     sampler = infra.Sampler(run, student)  # the scripts' own sampler or a vLLM engine
+    # TRL's score scaling (of a --reward_fn's score, logged, not trained on); a checkpoint holds the running moments
+    scaler = utils.ScoreScaler(args.use_score_scaling, args.use_score_norm, args.score_clip, reduce=run.reduce_sum)
     accelerator = run.accelerator
+    accelerator.register_for_checkpointing(scaler)
 
     def held_out_kl(batch):  # eval/kl_teacher: each greedy held-out completion's mean KL(student || teacher) per token
         view = infra.teacher_view(run, batch, args.teacher_prompt_field)
@@ -244,7 +245,10 @@ def main(args):
         # the completions log's "advantage": each completion's negated reverse KL (sampled), summed over its tokens
         # any reward source's score (--reward_fn: not trained on), logged beside
         scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
-        run.log(update, batch, stats, -row_kl, scores, scored, lr=lr)  # metrics.jsonl, TensorBoard, wandb
+        scaler(scores, scored)  # (its running moments)
+        metrics = {"lr": lr, **scaler.metrics()}
+        # metrics.jsonl, TensorBoard, wandb; samples, completions
+        run.log(update, batch, stats, -row_kl, scores=scores, scored=scored, **metrics)
         run.evaluate_and_checkpoint(update)  # --eval_every (eval/kl_teacher), --checkpoint_every
 
     run.finish(__doc__, algorithm="On-policy distillation")  # the student, its EMA, tokenizer and card; the hub

@@ -382,7 +382,8 @@ def main(args):
             metrics = {"lr": lr, **scaler.metrics(), "reward": total / max(count, 1.0)}
             metrics["reward_std"] = batch_std(raw_scores[scored], run.reduce_sum).item()
             metrics.update({"completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
-        run.log(update, batch, stats, advantages, raw_scores, scored, **metrics)  # metrics.jsonl, TensorBoard, wandb
+        # metrics.jsonl, TensorBoard, wandb; samples, completions
+        run.log(update, batch, stats, advantages, scores=raw_scores, scored=scored, **metrics)
         run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every
 
     run.finish(__doc__, algorithm="GRPO")  # the model, its EMA, tokenizer and card; the hub

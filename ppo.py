@@ -332,7 +332,8 @@ def main(args):
             if args.critic_warmup_updates:
                 metrics["policy/critic_warmup"] = float(warmup)
             completion_advantages = utils.masked_mean(advantages, loss_mask, dim=1)  # --log_completions: each one's mean
-        row = run.log(update, batch, stats, completion_advantages, raw_scores, scored, **metrics)  # metrics.jsonl, ...
+        # metrics.jsonl, TensorBoard, wandb; samples, completions
+        row = run.log(update, batch, stats, completion_advantages, scores=raw_scores, scored=scored, **metrics)
 
         # Ziegler et al.: adapt the KL coefficient to the KL measured in this update (held while the policy is)
         if args.kl_target is not None and not warmup:

@@ -210,7 +210,8 @@ def main(args):
         if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's
             stats.add(**vllm_stats)
         metrics = {"lr": lr, **scaler.metrics()}
-        run.log(update, batch, stats, advantages, raw_scores, scored, **metrics)  # metrics.jsonl, TensorBoard, wandb
+        # metrics.jsonl, TensorBoard, wandb; samples, completions
+        run.log(update, batch, stats, advantages, scores=raw_scores, scored=scored, **metrics)
         run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every
 
     run.finish(__doc__, algorithm="RLOO")  # the model, its EMA, tokenizer and card; the hub

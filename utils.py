@@ -27,14 +27,14 @@ def die(msg):
 
 
 def positions(attention_mask):
-    """Each column's position, counted from its row's first real token as generate() counts them; a padding column
-    takes its neighbour's (0 on the left, the last real token's on the right), so that a row filling the model's
-    positions pads within them (padding is read by no real token)."""
+    """Each column's position, counted from its row's first real token as the decoder (infra.decode) counts them; a
+    padding column takes its neighbour's (0 on the left, the last real token's on the right), so that a row filling
+    the model's positions pads within them (padding is read by no real token)."""
     return (attention_mask.cumsum(1) - 1).clamp(min=0)
 
 
 def forward(model, input_ids, attention_mask, **kwargs):
-    """A causal LM on left-padded rows, with positions counted from each row's first real token as generate() does."""
+    """A causal LM on left-padded rows, with positions counted from each row's first real token as the decoder does."""
     position_ids = positions(attention_mask)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 

@@ -12,6 +12,7 @@
     evaluation    the held-out evaluation
     outputs       output_dir, resume, checkpoints, logs, the model card and the hub
     run           start() and Run: the processes, the batch sizes and each step's plumbing
+    tldr          the TL;DR benchmark's flags, held-out set, evaluation and judge (rloo_tldr.py, ppo_tldr.py)
 
 The libraries made for each job do the work (accelerate, transformers, datasets, TensorBoard, wandb, huggingface_hub,
 vLLM); what they do not give is here: a checkpoint is complete or absent, a resumed run's logs are cut back to its
@@ -19,10 +20,11 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 """
 
 from .data import teacher_view
-from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs, TldrArgs
+from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs
 from .models import load_policy, load_policy_and_critic, prepare
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
+from .tldr import TldrArgs
 
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs",

@@ -11,8 +11,6 @@ import torch
 
 from utils import INVALID_LOGPROB, die, logprobs_from_logits, pad_cat
 
-from .flags import TldrArgs
-
 
 def read_dataset(dataset_name, split):
     """A non-empty datasets.Dataset from a hub id or a local .jsonl/.json/.parquet/.csv file or folder, or one line."""
@@ -251,20 +249,7 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 def load_eval(args, tokenizer, columns, env=None):
     """The held-out set as (queries, texts, references or None, columns, the prompts as the dataset holds them), or
     None without one: --eval_dataset_name's --eval_split read as the training prompts are (a set without a column the
-    reward functions read is refused); the TL;DR scripts': the first --eval_examples prompts of the dataset's
-    --eval_split and their reference summaries (the reward model, which scores them, reads no column)."""
-    if isinstance(args, TldrArgs):
-        queries, texts, references, _ = load_prompts(
-            args.dataset_name,
-            split=args.eval_split,
-            prompt_field=args.prompt_field,
-            tokenizer=tokenizer,
-            max_prompt_length=args.max_prompt_length,
-            reference_field=args.reference_field,
-            long_prompts=args.eval_long_prompts,
-        )
-        first = slice(args.eval_examples)
-        return queries[first], texts[first], references[first], {}, None
+    reward functions read is refused). The TL;DR scripts' is tldr.load_eval's."""
     if args.eval_dataset_name is None:
         return None
     raw = []  # the prompts as the dataset holds them, for --environment's episodes

@@ -1,13 +1,13 @@
-"""The flag groups every script's Args inherits (rollout, scores, model and data, evaluation, TL;DR, groups,
-environments, the run), each checking its own flags as they are parsed, so that flags stay flat and --help lists
-every one; infra reads only the fields defined here.
+"""The flag groups every script's Args inherits (rollout, scores, model and data, evaluation, groups, environments,
+the run; the TL;DR scripts' own in tldr.py), each checking its own flags as they are parsed, so that flags stay flat
+and --help lists every one; infra reads only the fields defined here and in tldr.py.
 """
 
 import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
 import torch
 import tyro
@@ -167,63 +167,12 @@ class EvalArgs(Checked):
     eval/pass@k (0: greedy only)"""
     eval_batch_size: int = 64
     """held-out prompts per generation pass in the evaluation, per process"""
+    eval_sources: ClassVar[Optional[int]] = None  # the first this many reward sources score the evaluation; None: all
 
     def __post_init__(self):
         if self.eval_every < 0 or self.num_eval_generations < 0 or self.eval_batch_size < 1:
             die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
         super().__post_init__()
-
-
-@dataclass
-class TldrArgs(ScoreArgs):
-    """The TL;DR benchmark's policy, prompts, reward model and evaluation (rloo_tldr.py, ppo_tldr.py)."""
-
-    sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
-    """the SFT policy (init and reference): a hub id or a folder"""
-    reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
-    """the reward model, a sequence-classification model with num_labels=1: a hub id or a folder"""
-    reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
-    """reward functions besides the reward model: 'sentiment', 'accuracy', 'path/to/file.py:function' or
-    'package.module:function', called as fn(prompts, completions, **columns) (examples/reward_server.py asks an HTTP
-    server); repeatable"""
-    reward_weights: tuple[float, ...] = ()
-    """one weight per reward source, in the order: the reward model, then functions (each as given); default all 1"""
-    dataset_name: str = "trl-lib/tldr"
-    """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
-    dataset_split: str = "train"
-    """the split to train on"""
-    eval_split: str = "validation"
-    """the split to evaluate on"""
-    prompt_field: str = "prompt"
-    """the column holding the prompts ("SUBREDDIT: r/... TITLE: ... POST: ... TL;DR:")"""
-    reference_field: str = "completion"
-    """the column holding the reference summaries the judge compares against"""
-    max_prompt_length: int = 512
-    """prompts longer than this many tokens are dropped"""
-    missing_eos_penalty: Optional[float] = 1.0
-    """subtracted from the score of a summary that never produced the stop token"""
-    eval_every: int = 100_000
-    """evaluate every this many episodes, besides before training and at the end (0: only then)"""
-    eval_examples: int = 1000
-    """how many eval-split prompts to summarise (the published win rates use the first 1,000)"""
-    eval_batch_size: int = 64
-    """summaries generated per forward pass in the evaluation, per process"""
-    eval_long_prompts: Literal["drop", "truncate"] = "drop"
-    """eval prompts longer than --max_prompt_length: drop them (the N+ study's filter), or keep their last
-    max_prompt_length tokens (TRL's evaluation takes the first eval_examples prompts, none dropped)"""
-
-    def __post_init__(self):
-        if self.eval_every < 0 or self.eval_examples < 1 or self.eval_batch_size < 1:
-            die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
-        super().__post_init__()
-
-    @property
-    def model_name_or_path(self):  # the name the plumbing reads
-        return self.sft_model_path
-
-    @property
-    def reward_model_paths(self):
-        return (self.reward_model_path,)
 
 
 @dataclass

@@ -41,7 +41,7 @@ class Batch:
     weights, the statistics) counts the policy's tokens only."""
 
     texts: list  # the rows' prompt texts
-    index: list  # the rows' dataset rows (a prompt's, k times)
+    index: list  # each row's prompt's place in its dataset (the held-out set's in the evaluation), k times a prompt's
     queries: torch.Tensor
     context_length: int
     responses: torch.Tensor
@@ -106,12 +106,13 @@ class Sampler:
         notify("draw", prompts.index)
         return prompts
 
-    def sample(self, prompts, keep=None, completions=None):
+    def sample(self, prompts, keep=None, completions=None, draw=None):
         """The Batch of prompts' completions, without gradients and in the training precision (autocast also covers
         the reward models, which accelerate did not wrap). keep (DAPO's dynamic sampling): a rule, a Batch -> (prompts,)
         bools, the groups worth training on; further prompts are then drawn and sampled in rounds (at most
         --max_sampling_rounds, as many on every process) until every process has its share of groups the rule keeps,
-        the first of them kept in order (a batch still short is filled with the others, earliest first). completions:
+        the first of them kept in order (a batch still short is filled with the others, earliest first); draw: what
+        draws those prompts (a script's own pick; default self.draw, the dataset's shuffled order). completions:
         a dataset column whose completions stand in for sampled ones (distill.py's off-policy batches), scored as they
         would be."""
         run = self.run
@@ -119,7 +120,7 @@ class Sampler:
             vllm_sync(self.engine, self.unwrapped())
         with torch.no_grad(), run.accelerator.autocast():
             if keep is not None:
-                rows, stats = self.sample_groups(prompts, keep)
+                rows, stats = self.sample_groups(prompts, keep, draw or self.draw)
             else:
                 rows, stats = self.sample_rows(prompts, completions), {}
             batch = self.assemble(rows, prompts.max_length, stats)
@@ -329,18 +330,18 @@ class Sampler:
             env_rewards=self.env_rewards,
         )
 
-    def sample_groups(self, prompts, keep):
-        """Dynamic sampling's rounds (DAPO, Yu et al. 2025): the groups of prompts, then of further prompts drawn as the
-        first (at most --max_sampling_rounds rounds, as many on every process), until every process has local_prompts
-        groups that keep marks; the first of them kept, in order (a batch still short is filled with the unmarked,
-        earliest first). Each completion is scored once, as it is generated. Returns the kept groups' rows
-        (sample_rows) and the metrics."""
+    def sample_groups(self, prompts, keep, draw):
+        """Dynamic sampling's rounds (DAPO, Yu et al. 2025): the groups of prompts, then of further prompts (draw's; at
+        most --max_sampling_rounds rounds, as many on every process), until every process has local_prompts groups that
+        keep marks; the first of them kept, in order (a batch still short is filled with the unmarked, earliest first).
+        Each completion is scored once, as it is generated. Returns the kept groups' rows (sample_rows) and the
+        metrics."""
         run, args, k = self.run, self.args, self.k
         reduce_sum = functools.partial(run.accelerator.reduce, reduction="sum")
         rounds_rows, groups, marked = [], [], []  # each round's rows; (round, group) per group; whether keep marked it
         for rounds in range(1, args.max_sampling_rounds + 1):
             if rounds > 1:  # every round generates up to the update's max_length
-                prompts = dataclasses.replace(self.draw(), max_length=prompts.max_length)
+                prompts = dataclasses.replace(draw(), max_length=prompts.max_length)
             rows = self.sample_rows(prompts)
             marked += keep(self.assemble(rows, prompts.max_length, {})).tolist()
             groups += [(len(rounds_rows), j) for j in range(len(prompts.index))]

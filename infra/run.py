@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from utils import PolicyAndValue, die, forward
 
+from . import tldr
 from .data import Shuffled, lm_loss, load_eval, load_prompts, load_ptx, ptx_batch
 from .environments import Environments
 from .evaluation import evaluate, record_eval
-from .flags import TldrArgs
 from .hooks import notify
 from .models import check_accelerate_config, load_tokenizer, process_group_kwargs, save_policy, zero3
 from .outputs import (
@@ -74,7 +74,10 @@ class Run:
             raw=self.prompts,
             env=self.env,
         )
-        self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
+        if isinstance(args, tldr.TldrArgs):
+            self.eval_set = tldr.load_eval(args, self.tokenizer)
+        else:
+            self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
         self.sources = load_reward_sources(args, self.tokenizer, self.columns, env=self.env, default=self.default_reward)
         self.weights = [source["weight"] for source in self.sources]  # each source's weight in the score (utils.score)
         self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
@@ -207,22 +210,21 @@ class Run:
 
     def evaluate(self):
         """The held-out evaluation (with --eval_dataset_name, or the TL;DR scripts' eval split): greedy (and
-        --num_eval_generations sampled) completions scored by every reward source (the TL;DR scripts': the reward
-        model); a metrics row, and the samples in output_dir/eval_samples."""
+        --num_eval_generations sampled) completions scored by the reward sources (the TL;DR scripts': the reward model
+        alone, tldr.TldrArgs.eval_sources); a metrics row, and the samples in output_dir/eval_samples."""
         args = self.args
         if self.eval_set is None:
             return
-        tldr = isinstance(args, TldrArgs)
         metrics, samples = evaluate(
             self.accelerator,
             model=self.model,
             tokenizer=self.tokenizer,
-            sources=self.sources[:1] if tldr else self.sources,
+            sources=self.sources[: args.eval_sources],
             eval_set=self.eval_set,
             response_length=args.response_length,
             stop_token_id=self.stop_token_id,
             batch_size=args.eval_batch_size,
-            k=0 if tldr else args.num_eval_generations,
+            k=args.num_eval_generations,
             temperature=args.temperature,
             seed=args.seed + self.episode,  # the same samples in a resumed run
             sampler=self.sampler,
@@ -253,11 +255,8 @@ class Run:
         card = dict(script=sys.argv[0], algorithm=algorithm, doc=doc, base_model=args.model_name_or_path, sources=self.sources)
         engine = self.sampler.engine if self.sampler is not None else None
         finish(accelerator, args, writer=self.writer, tokenizer=self.tokenizer, ema=self.ema, card=card, engine=engine)
-        if accelerator.is_main_process and isinstance(args, TldrArgs):
-            print(
-                f"judge the final summaries against the references: python tools/judge_tldr.py --samples {args.output_dir}"
-                " --judge_base_url https://api.openai.com/v1 --judge_model gpt-4o-mini"
-            )
+        if accelerator.is_main_process and isinstance(args, tldr.TldrArgs):
+            print(tldr.JUDGE.format(output_dir=args.output_dir))
 
 
 def start(args, k=1, default_reward="sentiment"):

@@ -6,8 +6,8 @@ timers around the same kinds of work, and writes the seconds per update by phase
     python benchmark/profile/where_time.py OUT.json benchmark/distill/distill_trl.py --side trl_run ...  # TRL's distiller
 
 Phases (the outermost timed call counts; nothing is counted twice):
-- generation: our utils.generate (or with --use_vllm the engine's, infra.engine.vllm_generate), transformers' generate() for
-  TRL; weight sync: infra.engine.vllm_sync, the policy's weights into the engine (--use_vllm);
+- generation: our infra.decode.generate (or with --use_vllm the engine's, infra.engine.vllm_generate), transformers'
+  generate() for TRL; weight sync: infra.engine.vllm_sync, the policy's weights into the engine (--use_vllm);
 - logprob passes: forward passes and logprob arithmetic without gradient outside generation (the rollout's policy
   and reference passes; ppo.py's critic; distill.py's teacher): our utils.forward_grouped, logprobs_from_logits and
   scalar_forward, TRL's _get_per_token_logps_and_entropies (DistillationTrainer: _get_last_hidden_state, the
