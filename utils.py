@@ -127,10 +127,11 @@ def can_pack(config, length):
     return all(w >= length for w in windows) and bool(windows or not local)
 
 
-def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep):
+def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep, hidden=False):
     """forward()'s logits at the last logits_to_keep positions (at most the response's length + 1), for rows in groups
     of `group` completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length
-    tokens), with the same values and gradients as running every row in full (tested).
+    tokens), with the same values and gradients as running every row in full (tested). hidden: the last hidden states
+    there instead (rows, logits_to_keep, hidden size), for a score head (a reward model's).
 
     Each prompt runs once: a group becomes one packed row, the prompt then each completion, under an attention mask
     that lets a completion see the prompt and itself only, at the positions it would have alone (with k = 4 and
@@ -141,8 +142,10 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     # lies in the completions' segments
     start, seg = context_length - 1, width - context_length + 1
     config = getattr(model, "module", model).config  # (the wrapped model's, under DDP or DeepSpeed)
+    out = dict(output_hidden_states=True) if hidden else dict(logits_to_keep=logits_to_keep)
     if group == 1 or start < 1 or not can_pack(config, start + group * seg):
-        return forward(model, query_responses, mask, logits_to_keep=logits_to_keep).logits
+        result = forward(model, query_responses, mask, **out)
+        return result.hidden_states[-1][:, -logits_to_keep:] if hidden else result.logits
     prompts = rows // group
     # (prompts, start + group * seg): the prompt once, then each completion's segment; positions as forward() counts them
     ids, real, places = (
@@ -159,8 +162,11 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     attention = sees[:, None]  # (prompts, 1, L, L): transformers passes a 4D mask on as it is; sdpa takes booleans
     if config._attn_implementation == "eager":  # which adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, torch.finfo(torch.float32).min)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=group * seg).logits
-    return logits.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
+    if not hidden:
+        out["logits_to_keep"] = group * seg
+    result = model(input_ids=ids, attention_mask=attention, position_ids=places, **out)
+    values = result.hidden_states[-1][:, start:] if hidden else result.logits
+    return values.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
 
 
 def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, context=None, reduce=None):

@@ -109,6 +109,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             columns=rows,
             stop_token_id=stop_token_id,
             chunk=len(query),
+            raw=[raw[i] for i in idx for _ in range(repeat)] if raw is not None else None,
         )
         stopped = (response == stop_token_id).any(1) if stop_token_id is not None else torch.ones_like(lengths).bool()
         measured = {}

@@ -223,9 +223,9 @@ class EnvArgs(Checked):
 
 
 @dataclass
-class RunArgs(Checked):
-    """The batch and its optimisation, the experiment and its outputs, the optimisation's extras, and the sizes filled in
-    at runtime (no flags)."""
+class TrainArgs(Checked):
+    """The batch and its optimisation, the experiment and its outputs, precision, LoRA and EMA, and the sizes filled in
+    at runtime (no flags): every script's."""
 
     # the batch and its optimisation
     total_episodes: int = 384
@@ -252,11 +252,6 @@ class RunArgs(Checked):
     """the wandb project name"""
     wandb_entity: Optional[str] = None
     """the wandb entity (team)"""
-    num_sample_generations: int = 10
-    """how many times per run to print a table of sample completions (0: never)"""
-    log_completions: bool = False
-    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
-    and with --track a wandb table of each update's"""
     checkpoint_every: int = 0
     """write a checkpoint to output_dir every this many updates (0: never)"""
     keep_checkpoints: int = 2
@@ -295,18 +290,6 @@ class RunArgs(Checked):
     (LightRFT's EMA model); in [0, 1), None: off"""
     ema_cpu: bool = False
     """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
-    ptx_coef: float = 0.0
-    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
-    loss); 0: off"""
-    ptx_dataset: Optional[str] = None
-    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
-    ptx_split: str = "train"
-    """the split of --ptx_dataset"""
-    ptx_text_field: str = "text"
-    """the column of --ptx_dataset holding the texts"""
-    ptx_max_length: Optional[int] = None
-    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
-
     # to be filled in at runtime
     distributed_type: tyro.conf.Suppress[str] = ""
     """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
@@ -328,12 +311,6 @@ class RunArgs(Checked):
             die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
         if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
             die("--ema_beta does not work with --use_peft yet")
-        if self.ptx_coef < 0:
-            die(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
-        if self.ptx_coef > 0 and not self.ptx_dataset:
-            die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
-        if self.ptx_max_length is not None and self.ptx_max_length < 2:
-            die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {self.ptx_max_length}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
         if self.use_peft and self.lora_r < 1:
@@ -351,4 +328,35 @@ class RunArgs(Checked):
                 validate_repo_id(self.hub_model_id)
             except ValueError as e:
                 die(f"--hub_model_id {self.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
+        super().__post_init__()
+
+
+@dataclass
+class RunArgs(TrainArgs):
+    """The RL scripts' run: TrainArgs, then the samples they print and write, and LightRFT's PTX loss."""
+
+    num_sample_generations: int = 10
+    """how many times per run to print a table of sample completions (0: never)"""
+    log_completions: bool = False
+    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
+    and with --track a wandb table of each update's"""
+    ptx_coef: float = 0.0
+    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
+    loss); 0: off"""
+    ptx_dataset: Optional[str] = None
+    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
+    ptx_split: str = "train"
+    """the split of --ptx_dataset"""
+    ptx_text_field: str = "text"
+    """the column of --ptx_dataset holding the texts"""
+    ptx_max_length: Optional[int] = None
+    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
+
+    def __post_init__(self):
+        if self.ptx_coef < 0:
+            die(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
+        if self.ptx_coef > 0 and not self.ptx_dataset:
+            die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
+        if self.ptx_max_length is not None and self.ptx_max_length < 2:
+            die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {self.ptx_max_length}")
         super().__post_init__()

@@ -46,9 +46,10 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
-    if gguf_file and getattr(obj, "hf_quantizer", None) is not None:
+    model = obj[0] if isinstance(obj, tuple) else obj  # (output_loading_info: the model and the loading's report)
+    if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         # transformers dequantizes GGUF weights to fp32; without the marker the model trains and saves as any other
-        obj.hf_quantizer.remove_quantization_config(obj)
+        model.hf_quantizer.remove_quantization_config(model)
     return obj
 
 
@@ -246,16 +247,20 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     return model, ref_policy
 
 
-def trainable(policy, args, gradient_checkpointing=True):
+def trainable(policy, args, gradient_checkpointing=True, modules_to_save=None):
     """The policy as it trains: with --use_peft its LoRA adapters on every linear layer, in eval mode (no dropout: the
     sampling policy and the one being trained must be the same function), with --gradient_checkpointing checkpointed
-    (transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero)."""
+    (transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero);
+    modules_to_save: the modules LoRA trains whole (a new score head)."""
     if args.use_peft:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
             die("--use_peft needs the peft package: pip install peft")
-        policy = get_peft_model(policy, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear"))
+        config = LoraConfig(
+            r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", modules_to_save=modules_to_save
+        )
+        policy = get_peft_model(policy, config)
     policy.eval()
     if gradient_checkpointing and args.gradient_checkpointing:
         disable_dropout(policy)

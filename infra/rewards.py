@@ -18,6 +18,7 @@ from utils import die, scalar_forward
 from .data import left_pad, load_object, truncate_response
 from .environments import awaited
 from .models import load_pretrained, load_tokenizer, same_vocabulary
+from .offline import is_chat, render, template_ids
 
 
 def load_reward_fn(spec, columns):
@@ -70,7 +71,10 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
             die(f"reward model {source['path']!r} has num_labels={model.config.num_labels}; it must be 1")
         rm_tokenizer = load_tokenizer(source["path"], args.trust_remote_code)
         source["model"] = model.eval().requires_grad_(False)
-        source["tokenizer"] = None if same_vocabulary(tokenizer, rm_tokenizer) else rm_tokenizer  # None: our tokens
+        # how reward.py's models read a conversation (infra.offline.save_reward_input): rendered as in training
+        source["rule"] = getattr(model.config, "reward_input", None)
+        same = same_vocabulary(tokenizer, rm_tokenizer) and source["rule"] is None
+        source["tokenizer"] = None if same else rm_tokenizer  # None: our tokens, read as they are
     if env is not None:  # each environment class's reward, with weight 1 (as TRL), named after the class
         sources += [{"name": name, "weight": 1.0, "env": j} for j, name in enumerate(env.names)]
     return sources
@@ -134,10 +138,26 @@ def check_rewards(values, n, source):
     return [None if v is None else float(v) for v in values]
 
 
-def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id):
+def rm_scores(
+    reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id, raw=None,
+    rule=None, conversations=None,
+):  # fmt: skip
     """A reward model's scores (batch,) read at the last real token of query_responses (left-padded queries of
-    context_length columns, then responses of `lengths` tokens). With a tokenizer of its own (rm_tokenizer not None)
-    the text is re-encoded, and a stop token that decoding drops (EOS) becomes the reward model's EOS token."""
+    context_length columns, then responses of `lengths` tokens). With a tokenizer of its own (rm_tokenizer not None),
+    a model of reward.py (rule: its config's reward_input) or a chat prompt (raw: the prompts as the dataset holds
+    them) is given the prompt and the decoded completion rendered as reward.py renders a pair in training
+    (infra.offline.render: one conversation through its own chat template; conversations: an episode's whole, as
+    messages), less the rule's offset; any other reads the text re-encoded, a stop token that decoding drops (EOS)
+    becoming the reward model's EOS token."""
+    chat = raw is not None and is_chat(raw[0])
+    if rm_tokenizer is not None and (rule is not None or chat or conversations is not None):
+        completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+        seqs = reward_input(rm_tokenizer, raw, completions, conversations)
+        ids, mask = (t.to(query_responses.device) for t in left_pad(seqs, rm_tokenizer.pad_token_id))
+        scores = scalar_forward(reward_model, ids, mask)[:, -1].float() - (rule or {}).get("offset", 0.0)
+        if not torch.isfinite(scores).all():
+            die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
+        return scores
     if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
         ids, last = query_responses, context_length + lengths - 1
     else:
@@ -158,9 +178,19 @@ def rm_scores(reward_model, rm_tokenizer, tokenizer, query_responses, mask, cont
     return scores
 
 
+def reward_input(rm_tokenizer, raw, completions, conversations=None):
+    """The token ids a reward model of reward.py reads for each (prompt as the dataset holds it, completion text): the
+    two rendered as reward.py renders a pair (infra.offline.render), a chat prompt's completion as the assistant's
+    message; conversations: an episode's every message, rendered whole."""
+    if conversations is not None:
+        return [template_ids(rm_tokenizer, c) for c in conversations]
+    replies = [[{"role": "assistant", "content": c}] if is_chat(p) else c for p, c in zip(raw, completions)]
+    return [sum(render(rm_tokenizer, p, c), []) for p, c in zip(raw, replies)]  # prompt ids + completion ids
+
+
 def get_scores(
     sources, tokenizer, query_responses, mask, context_length, lengths, prompts, columns, stop_token_id, completions=None,
-    env_rewards=None,
+    env_rewards=None, raw=None,
 ):  # fmt: skip
     """Every source's rewards (sources, batch), NaN where one returned None. Reward models read the tokens; functions
     the prompt texts, the completions (None: the responses decoded), the rows' other columns ({name: list}) and the
@@ -180,6 +210,9 @@ def get_scores(
                 context_length=context_length,
                 lengths=lengths,
                 stop_token_id=stop_token_id,
+                raw=raw,
+                rule=source.get("rule"),
+                conversations=columns.get("messages") if env_rewards is not None else None,
             )
             rows.append(scores)
             continue
@@ -194,7 +227,7 @@ def get_scores(
     return torch.stack(rows) if rows else torch.zeros((0, len(query_responses)), device=query_responses.device)
 
 
-def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk):
+def score_completions(sources, tokenizer, queries, query_mask, responses, *, prompts, columns, stop_token_id, chunk, raw=None):
     """Each completion truncated after its stop token (the rest padding) and scored by every source, chunk rows at a
     time, each chunk only as wide as its longest completion. prompts: the rows' prompt texts; columns: {name: the rows'
     values}. Returns (responses (rows, longest), lengths (rows,), per_source (sources, rows): NaN where a source
@@ -217,6 +250,7 @@ def score_completions(sources, tokenizer, queries, query_mask, responses, *, pro
                 prompts=prompts[rows],
                 columns={name: values[rows] for name, values in columns.items()},
                 stop_token_id=stop_token_id,
+                raw=raw[rows] if raw is not None else None,
             )
         )
     return responses, lengths, torch.cat(per_source, 1)

@@ -178,7 +178,8 @@ class Sampler:
                 sampled, engine = sampled.to(run.device), None
             else:
                 sampled, engine = self.complete(queries, query_mask, uniforms, seeds, max_length)
-            responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns)
+            raw = [run.prompts[i] for i in idx for _ in range(k)]  # (a reward model renders them as it was trained)
+            responses, lengths, per_source = self.score(queries, query_mask, sampled, texts, columns, raw)
             policy = torch.arange(responses.shape[1], device=run.device)[None, :] < lengths[:, None]
         else:
             ids, responses, lengths, policy, engine, info = self.play(
@@ -296,7 +297,7 @@ class Sampler:
         lengths = torch.tensor([len(t) for t in tokens], device=run.device)
         return prompts, responses.to(run.device), lengths, mask.to(run.device), logprobs, info.to(run.device)
 
-    def score(self, queries, query_mask, completions, texts, columns):
+    def score(self, queries, query_mask, completions, texts, columns, raw):
         """the completions truncated after the stop token, their lengths and every source's scores (sources, rows)"""
         return score_completions(
             self.run.sources,
@@ -308,6 +309,7 @@ class Sampler:
             columns=columns,
             stop_token_id=self.run.stop_token_id,
             chunk=self.chunk,
+            raw=raw,
         )
 
     def score_episodes(self, ids, responses, lengths, texts, columns):

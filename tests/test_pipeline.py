@@ -1,0 +1,362 @@
+"""sft.py, reward.py and dpo.py: their formulas against naive computations, their data (TRL's formats, bad rows
+refused), learning on a tiny model, two processes against one, kill -9 and --resume, and a reward model of reward.py
+read in RL exactly as in training."""
+
+import json
+import math
+import os
+import types
+
+import pytest
+import torch
+from conftest import REPO, kill_after_rows
+from safetensors.torch import load_file
+from test_distributed import launch
+from test_reliability import without_eps
+from test_rloo import check_ok, read_metrics
+
+import infra.offline as offline
+from infra.rewards import reward_input
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|endoftext|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+GOOD = "sunny bright warm kind gentle happy calm glad".split()
+BAD = "dark cold grim harsh bitter sad gloomy dull".split()
+TOPICS = "the river|the old house|a quiet morning|the mountain|my garden|the city|a lost dog|the winter sea".split("|")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    """the tiny GPT-NeoX with a chat template (each message ends with its EOS token and a newline)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("chat_model"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+def pairs(n, offset=0, chat=False):
+    """preference pairs a tiny model learns: the chosen completion's words are GOOD's, the rejected one's BAD's"""
+    rows = []
+    for i in range(offset, offset + n):
+        prompt = f"Tell me about {TOPICS[i % 8]} number {i}"
+        chosen = " " + " ".join(GOOD[(i + j) % 8] for j in range(2 + i % 3))
+        rejected = " " + " ".join(BAD[(i + 2 * j) % 8] for j in range(1 + i % 4))
+        if chat:
+            row = {"prompt": [{"role": "user", "content": prompt}]}
+            row.update(chosen=[{"role": "assistant", "content": chosen.strip()}])
+            row.update(rejected=[{"role": "assistant", "content": rejected.strip()}])
+        else:
+            row = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        rows.append(row)
+    return rows
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipeline_data")
+    sft = [
+        {"prompt": f"Repeat: {' '.join(GOOD[i % 8 : i % 8 + 3])}.", "completion": f" {' '.join(GOOD[i % 8 : i % 8 + 3])}."}
+        for i in range(40)
+    ]
+    return {
+        "pairs": write(folder / "pairs.jsonl", pairs(48)),
+        "pairs_test": write(folder / "pairs_test.jsonl", pairs(16, offset=48)),
+        "chat_pairs": write(folder / "chat_pairs.jsonl", pairs(48, chat=True)),
+        "chat_pairs_test": write(folder / "chat_pairs_test.jsonl", pairs(16, offset=48, chat=True)),
+        "sft": write(folder / "sft.jsonl", sft[:32]),
+        "sft_test": write(folder / "sft_test.jsonl", sft[32:]),
+    }
+
+
+def tokenizer_of(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+# the data: TRL's formats rendered
+
+
+def test_render_keeps_the_whole_conversation_and_ends_strings_with_eos(chat_model_dir):
+    tok = tokenizer_of(chat_model_dir)
+    prompt, reply = [{"role": "user", "content": "Tell me about the river"}], [{"role": "assistant", "content": "calm"}]
+    head, tail = offline.render(tok, prompt, reply)
+    assert head + tail == tok.apply_chat_template(prompt + reply, tokenize=True, return_dict=False)
+    assert tok.decode(tail).endswith("<|endoftext|>\n") and "calm" in tok.decode(tail)
+    head, tail = offline.render(tok, "Tell me about", " the river")
+    assert head + tail == tok("Tell me about the river<|endoftext|>")["input_ids"] and tail[-1] == tok.eos_token_id
+
+
+def test_implicit_prompt_is_what_chosen_and_rejected_share():
+    user = {"role": "user", "content": "hi"}
+    a, b = {"role": "assistant", "content": "good"}, {"role": "assistant", "content": "bad"}
+    assert offline.implicit_prompt([user, a], [user, b]) == ([user], [a], [b])
+    assert offline.implicit_prompt("Q: sky? A: blue sky", "Q: sky? A: grey") == ("Q: sky? A:", " blue sky", " grey")
+
+
+def test_assistant_mask_covers_each_assistant_message_to_its_end_token(chat_model_dir):
+    tok = tokenizer_of(chat_model_dir)
+    messages = [
+        {"role": "user", "content": "add 2 and 3"},
+        {"role": "assistant", "content": "calling"},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+    ids = offline.template_ids(tok, messages)
+    mask = offline.assistant_mask(tok, messages, None, ids)
+    learnt = [tok.decode([t for t, m in zip(ids, mask) if m])]
+    # naive: the assistant messages' text, each as the template writes it, without the separator after the end token
+    assert learnt == ["calling<|endoftext|>5<|endoftext|>"] or learnt == [" calling<|endoftext|> 5<|endoftext|>"]
+
+
+def test_a_reward_model_of_reward_py_reads_in_rl_the_ids_it_read_in_training(chat_model_dir, data, tmp_path):
+    """The RL side (infra.rewards.reward_input, from the prompt as the dataset holds it and the completion's text) gives
+    token for token what reward.py trained on (pair_rows, from the pair), for chat and for string data."""
+    tok = tokenizer_of(chat_model_dir)
+    for name in ("pairs", "chat_pairs"):
+        rows = [json.loads(line) for line in open(data[name])][:8]
+        trained = offline.pair_rows(tok, rows_dataset(rows), "test", max_length=None, truncate=False)
+        for side in ("chosen", "rejected"):
+            texts = [r[side][0]["content"] if name == "chat_pairs" else r[side] for r in rows]
+            ids = reward_input(tok, [r["prompt"] for r in rows], texts)
+            assert ids == [t["prompt"] + t[side] for t in trained]
+
+
+def rows_dataset(rows):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+# the formulas against naive computations
+
+
+def test_dpo_losses_match_a_naive_loop():
+    import dpo
+
+    torch.manual_seed(0)
+    logratios, tokens = torch.randn(6, 2) * 3, torch.randint(1, 9, (6, 2)).float()
+    for loss_type, smoothing in [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)]:
+        got = dpo.dpo_loss(logratios, tokens, 0.3, loss_type, smoothing)
+        for j in range(6):
+            c, r = logratios[j].tolist()
+            if loss_type == "ipo":
+                d = c / tokens[j, 0].item() - r / tokens[j, 1].item()
+                want = (d - 1 / (2 * 0.3)) ** 2
+            elif loss_type == "hinge":
+                want = max(0.0, 1 - 0.3 * (c - r))
+            else:
+                p = 1 / (1 + math.exp(-0.3 * (c - r)))
+                want = -(1 - smoothing) * math.log(p) - smoothing * math.log(1 - p)
+            assert got[j].item() == pytest.approx(want, rel=1e-5, abs=1e-6), (loss_type, j)
+
+
+def pair_batch(model_dir, rows, tokenizer):
+    run = types.SimpleNamespace(
+        args=types.SimpleNamespace(seed=1), tokenizer=tokenizer, device=torch.device("cpu"), accelerator=None
+    )
+    examples = offline.Examples(run, rows, None, pairs=True)
+    return examples.collate(list(range(len(rows))))
+
+
+def test_a_pair_runs_its_prompt_once_and_gets_each_completions_logprob_and_score(data, tiny_model_dir, tiny_reward_model_dir):
+    """dpo.pair_logprobs and reward.pair_rewards (each pair's prompt run once, packed) against every completion run in
+    full, alone, summing its tokens' log-probabilities in a loop, and the reward model's score at its last token."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import dpo
+    import reward
+    import utils
+
+    tok = tokenizer_of(tiny_model_dir)
+    rows = offline.pair_rows(tok, rows_dataset(pairs(6)), "test", max_length=None, truncate=True)
+    batch = pair_batch(tiny_model_dir, rows, tok)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+    with torch.no_grad():
+        logprobs = dpo.pair_logprobs(policy, batch)
+        rewards = reward.pair_rewards(rm, rm.score, batch)
+        for j, row in enumerate(rows):
+            for side, completion in enumerate((row["chosen"], row["rejected"])):
+                ids = torch.tensor([row["prompt"] + completion])
+                logits = policy(ids).logits[0].log_softmax(-1)
+                want = sum(logits[len(row["prompt"]) + t - 1, completion[t]].item() for t in range(len(completion)))
+                assert logprobs[j, side].item() == pytest.approx(want, rel=1e-4, abs=1e-4)
+                score = utils.scalar_forward(rm, ids, torch.ones_like(ids))[0, -1].item()
+                assert rewards[j, side].item() == pytest.approx(score, rel=1e-4, abs=1e-5)
+
+
+# the scripts as a user runs them
+
+
+def small(script, model, data, out, extra=""):
+    datasets = {
+        "sft.py": (data["sft"], data["sft_test"]),
+        "reward.py": (data["pairs"], data["pairs_test"]),
+        "dpo.py": (data["pairs"], data["pairs_test"]),
+    }[script]
+    return (
+        f"{script} --model_name_or_path {model} --dataset_name {datasets[0]} --eval_dataset_name {datasets[1]}"
+        f" --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --output_dir {out} {extra}"
+    )
+
+
+@pytest.mark.parametrize(
+    "script, extra, key, better",
+    [
+        ("sft.py", "--num_train_epochs 6 --learning_rate 3e-3", "eval/loss", "lower"),
+        (
+            "reward.py",
+            "--num_train_epochs 4 --learning_rate 3e-3 --center_rewards_coefficient 0.01",
+            "eval/accuracy",
+            "higher",
+        ),
+        ("dpo.py", "--num_train_epochs 4 --learning_rate 3e-3 --beta 0.5", "eval/rewards/margins", "higher"),
+    ],
+)
+def test_each_script_learns_its_task(script, extra, key, better, run, tmp_path, tiny_model_dir, data):
+    """SFT's held-out loss falls, the reward model's held-out accuracy rises (to at least 0.8), DPO's held-out
+    chosen-over-rejected margin rises; the saved model loads with plain transformers."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    out = tmp_path / "out"
+    check_ok(run(small(script, tiny_model_dir, data, out, extra), cwd=tmp_path))
+    evals = [r for r in read_metrics(out) if key in r]
+    assert len(evals) == 2
+    first, last = evals[0][key], evals[-1][key]
+    assert (last < first) if better == "lower" else (last > first), (first, last)
+    if script == "reward.py":
+        assert last >= 0.8
+        model = AutoModelForSequenceClassification.from_pretrained(out)
+        assert model.config.reward_input["rendering"] == "conversation"
+        assert math.isfinite(model.config.reward_input["offset"])
+    else:
+        AutoModelForCausalLM.from_pretrained(out)
+    if script == "dpo.py":
+        assert evals[-1]["eval/rewards/accuracies"] > 0.5
+
+
+def test_the_sft_loss_is_the_mean_over_every_learnt_token_of_the_batch(run, tmp_path, tiny_model_dir, data):
+    """Micro-batches of unequal token counts: 2 x 4 examples accumulated take the step that one micro-batch of 8 takes
+    (a mean per micro-batch would weigh their tokens differently)."""
+    outs = []
+    for micro, accumulate in [(8, 1), (4, 2)]:
+        out = tmp_path / f"m{micro}"
+        args = small("sft.py", tiny_model_dir, data, out, "--total_episodes 16 --learning_rate 1e-2 --no_save_model")
+        args = args.replace("--eval_dataset_name", "--eval_split test --eval_dataset_name")
+        args = args.replace("--per_device_train_batch_size 4 --gradient_accumulation_steps 2", "")
+        args += f" --per_device_train_batch_size {micro} --gradient_accumulation_steps {accumulate} --checkpoint_every 2"
+        check_ok(run(args, cwd=tmp_path))
+        outs.append(load_file(out / "checkpoint-0000002" / "model.safetensors"))
+    for name in outs[0]:
+        torch.testing.assert_close(outs[1][name], outs[0][name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+def test_two_processes_match_one(script, run, tmp_path, tiny_model_dir, data):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = "--total_episodes 32 --learning_rate 1e-3"
+    check_ok(run(small(script, tiny_model_dir, data, one, extra), cwd=tmp_path))
+    args = small(script, tiny_model_dir, data, two, extra).replace(
+        "--gradient_accumulation_steps 2", "--gradient_accumulation_steps 1"
+    )
+    proc = launch(2, script, args.split(" ", 1)[1], tmp_path)
+    check_ok(proc)
+    assert "world_size=2" in proc.stdout
+    rows_one, rows_two = without_eps(read_metrics(one)), without_eps(read_metrics(two))
+    assert len(rows_one) == len(rows_two) == 6 + (script == "reward.py")  # 4 updates, 2 evaluations (the offset)
+    for a, b in zip(rows_one, rows_two):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+def test_kill_then_resume_continues_exactly(script, run, tmp_path, tiny_model_dir, data):
+    import subprocess
+    import sys
+
+    extra = "--total_episodes 64 --learning_rate 1e-3 --checkpoint_every 1 --eval_every 16"
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    check_ok(run(small(script, tiny_model_dir, data, full, extra), cwd=tmp_path))
+    expected = read_metrics(full)
+    args = small(script, tiny_model_dir, data, cut, extra).split()
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, args[0]), *args[1:]], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    assert 3 <= kill_after_rows(proc, cut, 3) < len(expected)
+    check_ok(run(small(script, tiny_model_dir, data, cut, extra + " --resume"), cwd=tmp_path))
+    assert without_eps(read_metrics(cut)) == without_eps(expected)
+    a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(
+    "script, rows, error",
+    [
+        ("reward.py", [{"prompt": "a", "chosen": " b"}], "has no column 'rejected'"),
+        ("dpo.py", [{"prompt": "a", "chosen": " b", "rejected": "  "}], "row 0: empty rejected completion"),
+        ("reward.py", [{"prompt": "a", "chosen": " b", "rejected": " b"}], "row 0: chosen is identical to rejected"),
+        ("sft.py", [{"prompt": "a", "completion": ""}], "row 0: empty completion"),
+        ("sft.py", [{"question": "a"}], "needs a `messages`, `prompt` and `completion`, or `text` column"),
+    ],
+)
+def test_bad_data_stops_in_one_line_before_any_work(script, rows, error, run, tmp_path, tiny_model_dir):
+    path = write(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "out"
+    proc = run(f"{script} --model_name_or_path {tiny_model_dir} --dataset_name {path} --output_dir {out}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and error in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_rlhf_from_preferences_reward_py_then_rloo_py(run, tmp_path, chat_model_dir, data):
+    """reward.py on chat pairs, then rloo.py with that model as --reward_model_path: its scores are the reward model's
+    on the rendered conversation, less the saved offset."""
+    rm = tmp_path / "rm"
+    check_ok(
+        run(
+            small("reward.py", chat_model_dir, data, rm, "--total_episodes 16")
+            .replace(data["pairs"], data["chat_pairs"])
+            .replace(data["pairs_test"], data["chat_pairs_test"]),
+            cwd=tmp_path,
+        )
+    )
+    prompts = write(tmp_path / "prompts.jsonl", [{"prompt": json.loads(line)["prompt"]} for line in open(data["chat_pairs"])])
+    out = tmp_path / "rl"
+    check_ok(
+        run(
+            f"rloo.py --model_name_or_path {chat_model_dir} --reward_model_path {rm} --dataset_name {prompts}"
+            f" --rloo_k 2 --total_episodes 16 --response_length 8 --log_completions --output_dir {out}",
+            cwd=tmp_path,
+        )
+    )
+    assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(out))
+    # each logged reward is, by plain transformers, the reward model's score of the conversation at its last token,
+    # rendered by its chat template as in training, less the offset reward.py saved
+    from transformers import AutoModelForSequenceClassification
+
+    model, tok = AutoModelForSequenceClassification.from_pretrained(rm).eval(), tokenizer_of(rm)
+    logged = [json.loads(line) for line in open(out / "completions.jsonl")][:6]
+    for row in logged:
+        chat = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+        ids = torch.tensor([tok.apply_chat_template(chat, tokenize=True, return_dict=False)])
+        with torch.no_grad():
+            hidden = model.gpt_neox(ids).last_hidden_state
+            score = model.score(hidden)[0, -1, 0].item() - model.config.reward_input["offset"]
+        assert row[f"rewards/{rm.name}"] == pytest.approx(score, rel=1e-4, abs=1e-5)
