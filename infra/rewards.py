@@ -210,7 +210,7 @@ def get_scores(
                 context_length=context_length,
                 lengths=lengths,
                 stop_token_id=stop_token_id,
-                raw=raw,
+                raw=raw if raw is not None else prompts,  # (no dataset rows given: string prompts, their texts)
                 rule=source.get("rule"),
                 conversations=columns.get("messages") if env_rewards is not None else None,
             )

