@@ -37,8 +37,13 @@ class RewardArgs:
     """add this times the mean of (r_chosen + r_rejected)^2 to the loss, which keeps the scores centred on 0 (TRL;
     Eisenstein et al. 2023 use 0.01)"""
     normalize_rewards: bool = True
-    """after training, save the mean score of the training completions (chosen and rejected) with the model, which the
-    RL scripts subtract: those completions then score 0 on average (the N+ details study)"""
+    """after training, save the mean score of the reference completions with the model, which the RL scripts subtract:
+    those completions then score 0 on average (the N+ details study)"""
+    normalize_dataset_name: Optional[str] = None
+    """the reference completions: a dataset in sft.py's formats (the N+ study: the SFT set's reference summaries);
+    None: the training pairs' completions, chosen and rejected"""
+    normalize_split: str = "train"
+    """the split of --normalize_dataset_name"""
 
 
 @dataclass
@@ -70,10 +75,18 @@ def pair_rewards(model, head, batch):
     return head(last).float().reshape(-1, 2)
 
 
+def last_token_rewards(model, head, batch):
+    """Each right-padded row's score at its last token (rows,)"""
+    out = utils.forward(model, batch.input_ids, batch.attention_mask, output_hidden_states=True)
+    last = batch.attention_mask.sum(1) - 1
+    return head(out.hidden_states[-1][torch.arange(len(last), device=last.device), last]).float().squeeze(-1)
+
+
 def main(args):
     run = infra.start(args)  # processes, seeding, batch sizes (--num_train_epochs over the data), output_dir
     # the tokenizer and every pair rendered and checked (longer than --max_length: left out, as TRL), then the model
     data = infra.load_examples(run, pairs=True, truncate=False)
+    references = infra.load_references(run, args.normalize_dataset_name, args.normalize_split)  # (None: the pairs')
     model, _ = infra.load_model(run, score_head=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
@@ -130,13 +143,13 @@ def main(args):
         run.log_stats(stats, lr=lr)  # metrics.jsonl, TensorBoard, wandb
         run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every
 
-    # the N+ details study's normalisation: the mean score of the training completions, subtracted in RL
+    # the N+ details study's normalisation: the mean score of the reference completions, subtracted in RL
     offset = 0.0
     if args.normalize_rewards:
         totals = torch.zeros(2, device=run.device)
         with torch.no_grad(), accelerator.autocast():
-            for batch in data.all_rows():
-                rewards = pair_rewards(model, head, batch)
+            for batch in references.all_rows() if references else data.all_rows():
+                rewards = last_token_rewards(model, head, batch) if references else pair_rewards(model, head, batch)
                 totals += torch.stack([rewards.sum(), torch.tensor(rewards.numel(), device=run.device)])
         total, count = run.reduce_sum(totals).tolist()
         offset = total / count

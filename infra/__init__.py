@@ -23,7 +23,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 from .data import teacher_view
 from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs
 from .models import load_policy, load_policy_and_critic, prepare
-from .offline import ExampleArgs, load_examples, load_model, save_reward_input
+from .offline import ExampleArgs, load_examples, load_model, load_references, save_reward_input
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
 from .tldr import TldrArgs
@@ -31,5 +31,5 @@ from .tldr import TldrArgs
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs", "ExampleArgs",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
-    "load_examples", "load_model", "save_reward_input",
+    "load_examples", "load_model", "load_references", "save_reward_input",
 ]  # fmt: skip

@@ -251,6 +251,16 @@ def load_examples(run, pairs=False, **rendering):
     return data
 
 
+def load_references(run, name, split):
+    """reward.py's reference completions (--normalize_dataset_name), read as sft.py reads a dataset, as batches of
+    whole rows (Examples); None without a name. Read with the pairs, before any model loads."""
+    if not name:
+        return None
+    where = f"dataset {name!r} (split {split!r})"
+    rows = sft_rows(run.tokenizer, read_dataset(name, split), where, run.args.max_length, None, False)
+    return Examples(run, rows, None, pairs=False)
+
+
 class Examples:
     """A dataset's rows as batches: each update's batch_size rows drawn without replacement from a reshuffle per pass
     (the same draw on every process, so two processes train on what one does): num_mini_batches mini-batches, each
@@ -384,4 +394,13 @@ def save_reward_input(run, model, offset):
     config.reward_input = {"rendering": "conversation", "offset": offset}
 
 
-__all__ = ["ExampleArgs", "load_examples", "load_model", "render", "save_reward_input", "training_examples", "zero3"]
+__all__ = [
+    "ExampleArgs",
+    "load_examples",
+    "load_model",
+    "load_references",
+    "render",
+    "save_reward_input",
+    "training_examples",
+    "zero3",
+]

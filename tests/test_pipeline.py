@@ -414,3 +414,21 @@ def test_a_reward_model_of_reward_py_scores_the_tldr_runs_and_their_evaluation(
     check_ok(run(small(script, tldr_dir, tiny_model_dir, rm, out), cwd=tmp_path))
     evals = [r for r in read_metrics(out) if "eval/scores" in r]
     assert len(evals) == 2 and all(math.isfinite(r["eval/scores"]) for r in evals)
+
+
+def test_the_reward_offset_is_the_mean_score_of_the_reference_completions(run, tmp_path, tiny_model_dir, data):
+    """--normalize_dataset_name (the N+ study: the SFT set's references): the saved offset is the mean score, by plain
+    transformers, of each reference prompt + completion + EOS at its last token."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "rm"
+    args = small("reward.py", tiny_model_dir, data, out, f"--total_episodes 16 --normalize_dataset_name {data['sft']}")
+    check_ok(run(args, cwd=tmp_path))
+    model, tok = AutoModelForSequenceClassification.from_pretrained(out).eval(), tokenizer_of(out)
+    scores = []
+    for row in map(json.loads, open(data["sft"])):
+        ids = torch.tensor([tok(row["prompt"] + row["completion"] + tok.eos_token)["input_ids"]])
+        with torch.no_grad():
+            scores.append(model.score(model.gpt_neox(ids).last_hidden_state)[0, -1, 0].item())
+    assert model.config.reward_input["offset"] == pytest.approx(sum(scores) / len(scores), rel=1e-4, abs=1e-5)
+    assert read_metrics(out)[-1]["reward/offset"] == pytest.approx(model.config.reward_input["offset"], rel=1e-6)
