@@ -76,10 +76,9 @@ def pair_rewards(model, head, batch):
 
 
 def last_token_rewards(model, head, batch):
-    """Each right-padded row's score at its last token (rows,)"""
+    """Each left-padded row's score at its last token (rows,)"""
     out = utils.forward(model, batch.input_ids, batch.attention_mask, output_hidden_states=True)
-    last = batch.attention_mask.sum(1) - 1
-    return head(out.hidden_states[-1][torch.arange(len(last), device=last.device), last]).float().squeeze(-1)
+    return head(out.hidden_states[-1][:, -1]).float().squeeze(-1)
 
 
 def main(args):

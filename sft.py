@@ -47,10 +47,15 @@ class Args(infra.ExampleArgs, SFTArgs):
 
 
 def nll(model, batch):
-    """The negative log-likelihood of each token the loss covers (rows, width - 1), 0 elsewhere, and those tokens"""
-    logits = utils.forward(model, batch.input_ids, batch.attention_mask).logits[:, :-1]  # position t predicts token t + 1
-    mask = batch.loss_mask[:, 1:] & batch.attention_mask[:, 1:].bool()
-    logprobs = utils.logprobs_from_logits(logits, batch.input_ids[:, 1:])
+    """The negative log-likelihood of each token the loss covers, 0 elsewhere, those tokens, and the logits; all
+    (rows, keep): the last `keep` tokens of the left-padded rows, from the first column any row learns (a prompt's
+    logits are never computed: TL;DR's prompts are 10x their summaries)"""
+    learnt = batch.loss_mask[:, 1:] & batch.attention_mask[:, 1:].bool()  # (rows, width - 1): token t + 1 is learnt
+    keep = learnt.shape[1] - int(learnt.any(0).float().argmax())
+    # position t predicts token t + 1: the logits of the last keep + 1 positions, less the last
+    logits = utils.forward(model, batch.input_ids, batch.attention_mask, logits_to_keep=keep + 1).logits[:, :-1]
+    logprobs = utils.logprobs_from_logits(logits, batch.input_ids[:, -keep:])
+    mask = learnt[:, -keep:]
     return -logprobs.masked_fill(~mask, 0.0), mask, logits
 
 
@@ -72,7 +77,7 @@ def main(args):
         for batch in data.held_out():
             with accelerator.autocast():
                 losses, mask, logits = nll(model, batch)
-            right = (logits.argmax(-1) == batch.input_ids[:, 1:]) & mask
+            right = (logits.argmax(-1) == batch.input_ids[:, -mask.shape[1] :]) & mask
             totals += torch.stack([losses.sum(), right.sum(), mask.sum()]).float()
         if data.held_out_rows is None:
             return None
@@ -101,7 +106,7 @@ def main(args):
                     optimizer.zero_grad()
                     run.after_step(model)  # --ema_beta
 
-                    right = logits.detach().argmax(-1) == batch.input_ids[:, 1:]
+                    right = logits.detach().argmax(-1) == batch.input_ids[:, -mask.shape[1] :]
                     stats.add_tokens(mask, **{"loss/sft": losses, "train/mean_token_accuracy": right})
                     stats.add(**{"train/num_tokens": mask.sum()})
         model.eval()

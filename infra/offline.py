@@ -307,13 +307,13 @@ class Examples:
         rows = self.rows if rows is None else rows
         picked = [rows[i] for i in index]
         device = self.run.device
-        if not self.pairs:  # SFT: right-padded rows, and the tokens the loss covers
+        if not self.pairs:  # SFT: left-padded rows (their completions end together), and the tokens the loss covers
             width = max(len(r["ids"]) for r in picked)
             ids = torch.full((len(picked), width), self.pad, dtype=torch.long)
             attention, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
             for i, r in enumerate(picked):
-                ids[i, : len(r["ids"])], attention[i, : len(r["ids"])] = torch.tensor(r["ids"]), 1
-                mask[i, : len(r["mask"])] = torch.tensor(r["mask"])
+                ids[i, width - len(r["ids"]) :], attention[i, width - len(r["ids"]) :] = torch.tensor(r["ids"]), 1
+                mask[i, width - len(r["mask"]) :] = torch.tensor(r["mask"])
             return Batch(ids.to(device), attention.to(device), loss_mask=mask.to(device))
         # pairs: rows (chosen, rejected) of each pair, its prompt left-padded to the batch's longest, the completions
         # right-padded: (2 * pairs, prompt width + completion width)
@@ -340,7 +340,7 @@ class Examples:
 
 @dataclass
 class Batch:
-    """A micro-batch. SFT: right-padded rows and loss_mask, the tokens the loss covers. Pairs: rows 2j and 2j + 1 are
+    """A micro-batch. SFT: left-padded rows and loss_mask, the tokens the loss covers. Pairs: rows 2j and 2j + 1 are
     pair j's chosen and rejected, after its prompt left-padded to context_length columns; lengths: each completion's
     tokens; margin: each pair's; index: the pairs' rows."""
 

@@ -432,3 +432,24 @@ def test_the_reward_offset_is_the_mean_score_of_the_reference_completions(run, t
             scores.append(model.score(model.gpt_neox(ids).last_hidden_state)[0, -1, 0].item())
     assert model.config.reward_input["offset"] == pytest.approx(sum(scores) / len(scores), rel=1e-4, abs=1e-5)
     assert read_metrics(out)[-1]["reward/offset"] == pytest.approx(model.config.reward_input["offset"], rel=1e-6)
+
+
+def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(tiny_model_dir, data):
+    """sft.nll on a left-padded micro-batch (the logits of the learnt columns only) against each row run alone, its
+    completion tokens' negative log-probabilities summed in a loop"""
+    from transformers import AutoModelForCausalLM
+
+    import sft
+
+    tok = tokenizer_of(tiny_model_dir)
+    rows = offline.sft_rows(tok, rows_dataset([json.loads(line) for line in open(data["sft"])][:5]), "t", 1024, None, False)
+    run = types.SimpleNamespace(args=types.SimpleNamespace(seed=1), tokenizer=tok, device=torch.device("cpu"))
+    batch = offline.Examples(run, rows, None, pairs=False).collate(list(range(5)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        losses, mask, _ = sft.nll(model, batch)
+        for i, row in enumerate(rows):
+            logprobs = model(torch.tensor([row["ids"]])).logits[0].log_softmax(-1)
+            learnt = [t for t in range(1, len(row["ids"])) if row["mask"][t]]
+            want = -sum(logprobs[t - 1, row["ids"][t]].item() for t in learnt)
+            assert losses[i].sum().item() == pytest.approx(want, rel=1e-4) and mask[i].sum().item() == len(learnt)

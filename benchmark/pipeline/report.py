@@ -1,0 +1,128 @@
+"""The tables and curves of the pipeline's two demonstrations, from the metrics their scripts kept
+(benchmark/results/pipeline/{rlhf_offline,calculator}/<run>/metrics.jsonl), written to each folder's README.md and
+curves.png; the seeds that finished are reported, each named.
+
+    python benchmark/pipeline/report.py
+"""
+
+import glob
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from benchmark import harness  # noqa: E402
+
+RESULTS = os.path.join(REPO, "benchmark", "results", "pipeline")
+
+
+def runs(folder, prefix):
+    """{seed: rows} of the runs folder/prefix_<seed>"""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(folder, f"{prefix}_[0-9]*"))):
+        if os.path.exists(os.path.join(path, "metrics.jsonl")):
+            found[int(path.rsplit("_", 1)[1])] = harness.read(os.path.join(path, "metrics.jsonl"))
+    return found
+
+
+def evals(rows, key):
+    return [r for r in rows if key in r]
+
+
+def cell(values, digits=3):
+    return harness.spread(values, digits) if len(values) > 1 else (f"{values[0]:.{digits}f}" if values else "n/a")
+
+
+def rlhf():
+    folder = os.path.join(RESULTS, "rlhf_offline")
+    rm = harness.read(os.path.join(folder, "rm", "metrics.jsonl"))
+    rm_evals = evals(rm, "eval/accuracy")
+    lines = [
+        "# RLHF from preferences, end to end on a CPU",
+        "",
+        "`bash benchmark/pipeline/rlhf_offline.sh`, then `python benchmark/pipeline/report.py`. SmolLM2-135M-Instruct;",
+        "the preference pairs of data/preferences.jsonl (the VADER sentiment score as the labeller). The true score is the",
+        "sentiment of the greedy completion of each of the 64 held-out prompts (`eval/rewards/sentiment`).",
+        "",
+        f"reward.py (2 epochs of 256 pairs): held-out accuracy {rm_evals[0]['eval/accuracy']:.3f} before training,"
+        f" {rm_evals[-1]['eval/accuracy']:.3f} after; margin {rm_evals[-1]['eval/margin']:.3f}.",
+        "",
+        "| run | seeds | true score before | true score after | learnt reward after (its own score) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for name, label in [("rloo_rm", "rloo.py on reward.py's model"), ("rloo_true", "rloo.py on the true score")]:
+        got = runs(folder, name)
+        if not got:
+            continue
+        before = [evals(rows, "eval/rewards/sentiment")[0]["eval/rewards/sentiment"] for rows in got.values()]
+        after = [evals(rows, "eval/rewards/sentiment")[-1]["eval/rewards/sentiment"] for rows in got.values()]
+        learnt = [evals(rows, "eval/rewards/sentiment")[-1].get("eval/rewards/rm", float("nan")) for rows in got.values()]
+        own = cell(learnt) if name == "rloo_rm" else ""
+        lines.append(f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} | {own} |")
+        train = [[r["rewards/sentiment/mean"] for r in rows if "rewards/sentiment/mean" in r] for rows in got.values()]
+        width = min(map(len, train))
+        episodes = [r["episode"] for r in next(iter(got.values())) if "rewards/sentiment/mean" in r][:width]
+        harness.band(ax[0], episodes, [t[:width] for t in train], label)
+        if name == "rloo_rm":
+            learnt_curve = [[r["rewards/rm/mean"] for r in rows if "rewards/rm/mean" in r][:width] for rows in got.values()]
+            harness.band(ax[1], episodes, learnt_curve, "learnt reward (its offset subtracted)")
+            harness.band(ax[1], episodes, [t[:width] for t in train], "true score", linestyle="--")
+    dpo = runs(folder, "dpo_eval")
+    if dpo:
+        after = [evals(rows, "eval/rewards/sentiment")[0]["eval/rewards/sentiment"] for rows in dpo.values()]
+        lines.append(f"| dpo.py on the same pairs (2 epochs) | {' '.join(map(str, dpo))} | (as above) | {cell(after)} | |")
+    dpo_runs = runs(folder, "dpo")
+    if dpo_runs:
+        margins = [evals(rows, "eval/rewards/margins")[-1]["eval/rewards/margins"] for rows in dpo_runs.values()]
+        accuracy = [evals(rows, "eval/rewards/accuracies")[-1]["eval/rewards/accuracies"] for rows in dpo_runs.values()]
+        lines += ["", f"dpo.py's held-out implicit-reward accuracy {cell(accuracy)}, margin {cell(margins)}."]
+    ax[0].set(xlabel="episodes", ylabel="true sentiment of the training completions", title="the true score")
+    ax[1].set(xlabel="episodes", title="rloo.py on the learnt reward")
+    for a in ax:
+        a.legend(fontsize=8)
+    harness.save_figure(fig, os.path.join(folder, "curves.png"))
+    lines += ["", "![curves](curves.png)", ""]
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+def calculator():
+    folder = os.path.join(RESULTS, "calculator")
+    lines = [
+        "# A model that learns to use its tool",
+        "",
+        "`bash benchmark/pipeline/calculator.sh`, then `python benchmark/pipeline/report.py`. SmolLM2-135M-Instruct;",
+        "sft.py on 256 synthetic calculator traces, then grpo.py with the calculator environment on sums of 3- to",
+        "5-digit numbers; the held-out evaluation: 200 such sums, greedy.",
+        "",
+        "| start | seeds | held-out pass@1 before | after | tool calls per episode, first update | last update |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, label in [("grpo_calc_sft", "after sft.py"), ("grpo_base", "without SFT")]:
+        got = runs(folder, name)
+        if not got:
+            continue
+        before = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in got.values()]
+        after = [evals(rows, "eval/scores")[-1]["eval/scores"] for rows in got.values()]
+        calls = [[r["env/tool_calls"] for r in rows if "env/tool_calls" in r] for rows in got.values()]
+        lines.append(
+            f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} | {cell([c[0] for c in calls])}"
+            f" | {cell([c[-1] for c in calls])} |"
+        )
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if os.path.exists(os.path.join(RESULTS, "rlhf_offline", "rm", "metrics.jsonl")):
+        rlhf()
+    if os.path.isdir(os.path.join(RESULTS, "calculator")):
+        calculator()
