@@ -202,13 +202,13 @@ def load_policy(run, reference=True):
 def load_policy_and_critic(run, value_model_path=None, shared=False):
     """PPO's models: load_policy's, with the critic in one module with the policy (utils.PolicyAndValue), so that one
     optimiser and one DDP or DeepSpeed wrapper hold both. The critic starts from value_model_path, else as the N+
-    details study from the (first) reward model if it reads the policy's tokens, else from the policy's trunk with a
+    details study from the (first) reward model if it has the policy's vocabulary, else from the policy's trunk with a
     new head; shared: a value head on the policy's trunk instead. Returns (model, ref_policy or None), for prepare()."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     source = run.sources[0]
-    rm_critic = not value_model_path and "model" in source and source["tokenizer"] is None
+    rm_critic = not value_model_path and "model" in source and source["same_vocabulary"]
     # a family the scripts cannot run (or whose trunk cannot carry a critic) stops here, with one line
     check_model(policy, critic=not (shared or value_model_path or rm_critic))
     ref_policy = None

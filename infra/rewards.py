@@ -73,7 +73,8 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
         source["model"] = model.eval().requires_grad_(False)
         # how reward.py's models read a conversation (infra.offline.save_reward_input): rendered as in training
         source["rule"] = getattr(model.config, "reward_input", None)
-        same = same_vocabulary(tokenizer, rm_tokenizer) and source["rule"] is None
+        source["same_vocabulary"] = same_vocabulary(tokenizer, rm_tokenizer)  # (PPO's critic can start from it)
+        same = source["same_vocabulary"] and source["rule"] is None
         source["tokenizer"] = None if same else rm_tokenizer  # None: our tokens, read as they are
     if env is not None:  # each environment class's reward, with weight 1 (as TRL), named after the class
         sources += [{"name": name, "weight": 1.0, "env": j} for j, name in enumerate(env.names)]
