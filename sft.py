@@ -46,11 +46,17 @@ class Args(infra.ExampleArgs, SFTArgs):
     """the AdamW learning rate, annealed linearly to zero (TRL's SFT default)"""
 
 
+def learnt_tokens(batch):
+    """(rows, width - 1): True where token t + 1 is learnt, predicted by a real token t (never a row's first token)"""
+    real = batch.attention_mask.bool()
+    return batch.loss_mask[:, 1:] & real[:, 1:] & real[:, :-1]
+
+
 def nll(model, batch):
     """The negative log-likelihood of each token the loss covers, 0 elsewhere, those tokens, and the logits; all
     (rows, keep): the last `keep` tokens of the left-padded rows, from the first column any row learns (a prompt's
     logits are never computed: TL;DR's prompts are 10x their summaries)"""
-    learnt = batch.loss_mask[:, 1:] & batch.attention_mask[:, 1:].bool()  # (rows, width - 1): token t + 1 is learnt
+    learnt = learnt_tokens(batch)  # (rows, width - 1): token t + 1 is learnt
     keep = learnt.shape[1] - int(learnt.any(0).float().argmax())
     # position t predicts token t + 1: the logits of the last keep + 1 positions, less the last
     logits = utils.forward(model, batch.input_ids, batch.attention_mask, logits_to_keep=keep + 1).logits[:, :-1]
@@ -94,7 +100,7 @@ def main(args):
         for mini_batch in data.update():  # this process's share of each mini-batch, in micro-batches
             # the mean over every learnt token of the mini-batch, on all processes (TRL's num_items_in_batch): a
             # micro-batch's sum over that count, times what accelerate divides by (the micro-batches, the processes)
-            tokens = run.reduce_sum(sum((b.loss_mask[:, 1:] & b.attention_mask[:, 1:].bool()).sum() for b in mini_batch))
+            tokens = run.reduce_sum(sum(learnt_tokens(b).sum() for b in mini_batch))
             for batch in mini_batch:
                 with accelerator.accumulate(model):
                     losses, mask, logits = nll(model, batch)

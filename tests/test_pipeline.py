@@ -442,9 +442,14 @@ def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(tiny_mo
     import sft
 
     tok = tokenizer_of(tiny_model_dir)
-    rows = offline.sft_rows(tok, rows_dataset([json.loads(line) for line in open(data["sft"])][:5]), "t", 1024, None, False)
+    examples = [json.loads(line) for line in open(data["sft"])][:5]
+    rows = offline.sft_rows(tok, rows_dataset(examples), "t", 1024, None, False)
+    # and rows that learn every token (the language-modelling format): never their first, which nothing predicts
+    rows += offline.sft_rows(
+        tok, rows_dataset([{"text": e["prompt"] + e["completion"]} for e in examples]), "t", 1024, None, False
+    )
     run = types.SimpleNamespace(args=types.SimpleNamespace(seed=1), tokenizer=tok, device=torch.device("cpu"))
-    batch = offline.Examples(run, rows, None, pairs=False).collate(list(range(5)))
+    batch = offline.Examples(run, rows, None, pairs=False).collate(list(range(10)))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
         losses, mask, _ = sft.nll(model, batch)
