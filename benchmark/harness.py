@@ -91,17 +91,18 @@ def save_figure(fig, path):
 def gradient_report(g_ours, g_trl, parts=("",)):
     """Prints how far apart two gradients {parameter name: tensor} are: for each prefix in parts ("" all of them) both
     norms, the relative difference and the cosine, then the five parameters that differ most, relatively."""
-    import torch
-
     assert set(g_trl) == set(g_ours), set(g_trl) ^ set(g_ours)
     for part in parts:
-        names = [n for n in g_trl if n.startswith(part)]
-        fo = torch.cat([g_ours[n].flatten() for n in names]).double()
-        ft = torch.cat([g_trl[n].flatten() for n in names]).double()
+        # sums over the parameters, one at a time in float64 (not one concatenated copy: a 135M model's is 1 GB)
+        oo = tt = dd = ot = 0.0
+        for n in (n for n in g_trl if n.startswith(part)):
+            fo, ft = g_ours[n].double(), g_trl[n].double()
+            oo, tt, ot = oo + fo.pow(2).sum().item(), tt + ft.pow(2).sum().item(), ot + (fo * ft).sum().item()
+            dd += (fo - ft).pow(2).sum().item()
         print(
-            f"{(part[:-1] or 'all') + ' gradient':16s} norm ours {fo.norm().item():.6e} TRL {ft.norm().item():.6e} ratio "
-            f"{(fo.norm() / ft.norm()).item():.6f} | relative difference ||g_ours - g_trl|| / ||g_trl|| "
-            f"{((fo - ft).norm() / ft.norm()).item():.3e} | cosine {torch.cosine_similarity(fo, ft, dim=0).item():.8f}"
+            f"{(part[:-1] or 'all') + ' gradient':16s} norm ours {oo**0.5:.6e} TRL {tt**0.5:.6e} ratio "
+            f"{(oo / tt) ** 0.5:.6f} | relative difference ||g_ours - g_trl|| / ||g_trl|| "
+            f"{(dd / tt) ** 0.5:.3e} | cosine {ot / (oo * tt) ** 0.5:.8f}"
         )
     rel = sorted(
         ((((g_ours[n] - g_trl[n]).double().norm() / g_trl[n].double().norm().clamp(min=1e-30)).item(), n) for n in g_trl),
@@ -211,3 +212,164 @@ def distill_held_out_kl(student, teacher, out):
         sys.exit(f"the evaluation of {student} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return next(row["eval/kl_teacher"] for row in rows if "eval/kl_teacher" in row)
+
+
+# one step of the scripts that learn from a dataset (sft.py, reward.py, dpo.py) against TRL 1.16's SFTTrainer,
+# RewardTrainer and DPOTrainer: same_update/same_update_{sft,reward,dpo}.py
+
+
+class StepWatch:
+    """Watches, without changing anything, what every accelerate.Accelerator of this process computes (our script's
+    and the TRL Trainer's alike): the loss each micro-batch backpropagates (what accelerator.backward is given, divided
+    by the accumulation steps as it divides it), at each optimiser step the gradient before clipping {parameter name:
+    tensor} and its norm; and which of its training rows our script collates into each micro-batch (the indices into
+    infra.offline.Examples' rows, in order; its held-out and all-rows passes are not training). take() hands over what
+    was watched since the last take: once after each side."""
+
+    def __init__(self):
+        from accelerate import Accelerator
+
+        import infra.offline
+
+        backward, clip, collate = Accelerator.backward, Accelerator.clip_grad_norm_, infra.offline.Examples.collate
+        self.rows = None  # our script's training rows, as it rendered them (infra.offline.Examples.rows)
+        self.take()
+        watch = self
+
+        def watched_backward(accelerator, loss, **kwargs):
+            watch.losses.append(loss.detach().double().item() / accelerator.gradient_accumulation_steps)
+            return backward(accelerator, loss, **kwargs)
+
+        def watched_clip(accelerator, parameters, max_norm, norm_type=2):
+            parameters = list(parameters)
+            names = {id(p): n for m in accelerator._models for n, p in accelerator.unwrap_model(m).named_parameters()}
+            grads = {names[id(p)]: p.grad.detach().clone() for p in parameters if p.grad is not None}
+            norm = clip(accelerator, parameters, max_norm, norm_type)
+            watch.steps.append((grads, float(norm)))
+            return norm
+
+        def watched_collate(examples, index, rows=None):
+            if rows is None:  # a training micro-batch (Examples.update); the held-out and all-rows passes give their rows
+                watch.rows = examples.rows  # (not the Examples, which would keep the run, its model and optimiser)
+                watch.micro_batches.append(list(index))
+            return collate(examples, index, rows)
+
+        Accelerator.backward, Accelerator.clip_grad_norm_ = watched_backward, watched_clip
+        infra.offline.Examples.collate = watched_collate
+
+    def take(self):
+        """{"losses": each micro-batch's backpropagated loss, "steps": [(gradient before clipping, its norm)] per
+        optimiser step, "micro_batches": our rows' indices per micro-batch}, since the last take"""
+        taken = getattr(self, "watched", None)
+        self.losses, self.steps, self.micro_batches = [], [], []
+        self.watched = {"losses": self.losses, "steps": self.steps, "micro_batches": self.micro_batches}
+        return taken
+
+
+def in_order(indices):
+    """A torch Sampler that hands out indices in their order: TRL's train sampler replaced by our draw, so that the
+    Trainer's micro-batches (per_device_train_batch_size consecutive indices) are ours"""
+    import torch
+
+    class InOrder(torch.utils.data.Sampler):
+        def __iter__(self):
+            yield from indices
+
+        def __len__(self):
+            return len(indices)
+
+    return InOrder()
+
+
+def trl_step_config(config_cls, output_dir, seed, learning_rate, per_device, accumulation, **fields):
+    """A TRL 1.16 trainer config (SFTConfig, RewardConfig, DPOConfig) for one optimiser step as ours takes it: AdamW
+    (the fused one, as ours) with our epsilon 1e-5 and no weight decay, the learning rate linear from its full value
+    with no warmup, gradients clipped at 1.0, fp32 on the CPU, no gradient checkpointing (TRL's SFT default), one step
+    of per_device x accumulation examples, logged, nothing saved; fields: the trainer's own"""
+    return config_cls(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        optim="adamw_torch_fused",
+        adam_epsilon=1e-5,  # ours
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=seed,
+        disable_tqdm=True,
+        **fields,
+    )
+
+
+def trl_logs():
+    """A TrainerCallback that keeps the Trainer's logged rows (its loss and metrics) in its .rows"""
+    from transformers import TrainerCallback
+
+    class Logs(TrainerCallback):
+        rows = []
+
+        def on_log(self, _args, _state, _control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.rows.append(dict(logs))
+
+    return Logs()
+
+
+def step_report(ours, trl, our_row, trl_row, metrics, weights, learning_rate, parts=("",)):
+    """The comparison of one step (StepWatch's takes, ours and TRL's): each micro-batch's backpropagated loss and
+    their sum, our metrics.jsonl row beside TRL's logged one for each (our name, TRL's name) in metrics, the gradients
+    before clipping (gradient_report, over parts) and their norms, and the weights after the step (weights_report:
+    start, ours, TRL's)."""
+    lo, lt = ours["losses"], trl["losses"]
+    print(f"losses (as backpropagated, per micro-batch): ours {[f'{x:.8f}' for x in lo]} sum {sum(lo):.8f}")
+    print(f"                                             TRL  {[f'{x:.8f}' for x in lt]} sum {sum(lt):.8f}")
+    print(f"loss |ours - TRL| / TRL: {abs(sum(lo) - sum(lt)) / abs(sum(lt)):.3e}")
+    metrics_report(our_row, trl_row, metrics)
+    assert len(ours["steps"]) == len(trl["steps"]) == 1, "one optimiser step on each side"
+    (g_ours, norm_ours), (g_trl, norm_trl) = ours["steps"][0], trl["steps"][0]
+    print(
+        f"gradient norm before clipping (clip_grad_norm_'s): ours {norm_ours:.6f} TRL {norm_trl:.6f} "
+        f"(TRL's logged grad_norm {trl_row['grad_norm']:.6f})"
+    )
+    gradient_report(g_ours, g_trl, parts)
+    weights_report(*weights, learning_rate)
+
+
+def metrics_report(ours, trl, pairs):
+    """Prints our metrics.jsonl row's values beside TRL's logged ones, for each (our name, TRL's name) in pairs (a
+    name missing on a side: said so)."""
+    print(f"{'metric (ours / TRL)':42s} {'ours':>14s} {'TRL':>14s}  |ours - TRL|")
+    for mine, theirs in pairs:
+        if mine not in ours or theirs not in trl:
+            print(f"{mine + ' / ' + theirs:42s} not logged by {'ours' if mine not in ours else 'TRL'}")
+            continue
+        a, b = ours[mine], trl[theirs]
+        print(f"{mine + ' / ' + theirs:42s} {a:14.8f} {b:14.8f}  {abs(a - b):.3e}")
+
+
+def weights_report(start, ours, trl, learning_rate):
+    """Prints how far TRL's weights after the step are from ours ({name: tensor}, over TRL's parameters): the norm of
+    our change, ||W_TRL - W_ours|| / ||W_ours - W_start||, and the largest |W_TRL - W_ours| against the learning rate
+    (AdamW's first step moves every weight by about the learning rate, whatever its gradient's size)."""
+    diff = change = 0.0
+    worst, where = 0.0, None
+    for n in trl:
+        d = (trl[n].double() - ours[n].double()).abs()
+        diff += d.pow(2).sum().item()
+        change += (ours[n].double() - start[n].double()).pow(2).sum().item()
+        if d.max().item() > worst:
+            worst, where = d.max().item(), n
+    print(
+        f"weights after the step: |W_ours - W_start| {change**0.5:.6e} | |W_TRL - W_ours| / |W_ours - W_start| "
+        f"{(diff / change) ** 0.5:.3e} | max |W_TRL - W_ours| {worst:.3e} = {worst / learning_rate:.3e} x the learning "
+        f"rate ({where})"
+    )

@@ -313,7 +313,7 @@ class Examples:
             attention, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
             for i, r in enumerate(picked):
                 ids[i, width - len(r["ids"]) :], attention[i, width - len(r["ids"]) :] = torch.tensor(r["ids"]), 1
-                mask[i, width - len(r["mask"]) :] = torch.tensor(r["mask"])
+                mask[i, width - len(r["mask"]) + 1 :] = torch.tensor(r["mask"][1:])  # (nothing predicts the first)
             return Batch(ids.to(device), attention.to(device), loss_mask=mask.to(device))
         # pairs: rows (chosen, rejected) of each pair, its prompt left-padded to the batch's longest, the completions
         # right-padded: (2 * pairs, prompt width + completion width)

@@ -1,0 +1,196 @@
+"""One DPO update on identical inputs, dpo.py's real main against TRL 1.16's real DPOTrainer.train(): the same
+preference pairs (the batch dpo.py draws for its first update, in its order and its micro-batches), the same policy
+and reference weights, the same optimiser settings; each side renders the pairs itself, runs its own policy and
+reference passes, log-ratios and loss (--loss_type sigmoid, ipo or hinge), backward, clipping and AdamW step. Prints
+whether the two renderings of every pair are the same tokens, both losses (per micro-batch as backpropagated, and as
+logged) and TRL's metrics beside ours (rewards/chosen, rejected, margins, accuracies; logps/chosen, rejected), how far
+apart the gradients before clipping are, and how far apart the weights after the step (TRL's policy against the
+model.safetensors dpo.py saved). A relative difference near 1e-5 is float32 rounding.
+
+    python benchmark/same_update/same_update_dpo.py --seed 1                      # sigmoid, chat messages
+    python benchmark/same_update/same_update_dpo.py --seed 1 --loss_type ipo      # and hinge
+    python benchmark/same_update/same_update_dpo.py --seed 1 --format string      # strings, EOS appended
+
+The data: data/preferences.jsonl's 256 pairs (an explicit prompt, chosen and rejected chat messages); --format string
+makes them strings ("Question: <the user's message>\\nAnswer:", " <completion>"; both sides append the EOS). The
+batch: 8 pairs drawn by dpo.py with --seed, micro-batches of 4 pairs, two gradient-accumulation steps. SmolLM2-135M-
+Instruct, fp32, beta 0.1, learning rate 1e-6 (both defaults) at its full value for the step, AdamW eps 1e-5, no
+weight decay, gradients clipped at 1.0. At a run's first step the policy is its reference, every log-ratio is 0 and
+the implicit rewards say nothing, so the policy here is the initial weights plus Gaussian noise (--noise 0.02: each
+weight matrix moves by 2% of its own std, one seeded draw saved into a folder) and the reference the initial weights,
+as same_update_rloo.py does: the log-ratios are then a few nats. Our side gets the noisy policy by a wrapper around
+infra.load_model, which dpo.py calls for its policy and reference (the policy's weights replaced by the folder's,
+nothing else changed); TRL's side is given the noisy folder as its model and the initial weights as its ref_model.
+Corresponding settings (dpo.py flag = DPOConfig field; TRL 1.16's lines in trl/trainer/dpo_trainer.py):
+    --beta 0.1                  = beta=0.1
+    --loss_type sigmoid         = loss_type=["sigmoid"]   (1388: -logsigmoid(beta * delta); dpo.py's
+                                  --label_smoothing 0, its default, is the same loss)
+    --loss_type ipo             = loss_type=["ipo"]       (1393-1404: log-ratios per completion token)
+    --loss_type hinge           = loss_type=["hinge"]     (1391: relu(1 - beta * delta))
+    (reference passes live)     = precompute_ref_log_probs=False
+
+Our side is dpo.main as `python dpo.py --total_episodes 8 --per_device_train_batch_size 4
+--gradient_accumulation_steps 2 ...` runs it, watched (harness.StepWatch); its weights are the model.safetensors it
+saves. TRL's side is a DPOTrainer on the same file whose train sampler hands out our pairs in our order
+(harness.in_order); everything else is its own: _prepare_dataset (EOS, chat template, the prompt as the common prefix),
+DataCollatorForPreference (prompt + chosen rows, then prompt + rejected, right-padded), the policy's and reference's
+passes through its fused LM head, the loss, the Trainer's loop, fused AdamW and linear schedule."""
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)  # the repository's root: the scripts, utils, infra, benchmark.harness
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+import tyro  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import dpo  # noqa: E402  (dpo.py; its main is guarded)
+import infra  # noqa: E402
+from benchmark import harness  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--seed", type=int, default=1, help="picks the batch (dpo.py's draw), its order, the noise")
+parser.add_argument("--format", choices=["chat", "string"], default="chat", help="the pairs' format")
+parser.add_argument("--loss_type", choices=["sigmoid", "ipo", "hinge"], default="sigmoid")
+parser.add_argument("--beta", type=float, default=0.1)
+parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--learning_rate", type=float, default=1e-6)
+parser.add_argument("--noise", type=float, default=0.02, help="the policy's distance from the reference (0: none)")
+cli = parser.parse_args()
+PER_DEVICE, ACCUMULATION = 4, 2
+BATCH = PER_DEVICE * ACCUMULATION
+tmp = tempfile.mkdtemp()
+
+# ------------------------------------------------------------------------------------------------------------------
+# 1. the data file both sides read
+data = os.path.join(REPO, "data", "preferences.jsonl")
+if cli.format == "string":
+    data = os.path.join(tmp, "pairs_string.jsonl")
+    with open(os.path.join(REPO, "data", "preferences.jsonl")) as f, open(data, "w") as out:
+        for line in f:
+            pair = json.loads(line)
+            row = {key: pair[key][0]["content"] for key in ("prompt", "chosen", "rejected")}
+            row["prompt"], row["chosen"], row["rejected"] = (
+                f"Question: {row['prompt']}\nAnswer:",
+                f" {row['chosen']}",
+                f" {row['rejected']}",
+            )
+            out.write(json.dumps(row) + "\n")
+
+# the policy both sides start from: the reference plus noise
+policy_dir = os.path.join(tmp, "policy")
+policy = AutoModelForCausalLM.from_pretrained(cli.model)
+noise_rng = torch.Generator().manual_seed(cli.seed)
+with torch.no_grad():
+    for p in policy.parameters():
+        if p.dim() > 1:  # the weight matrices (the embedding, tied to the LM head, included), not the norms
+            p.add_(cli.noise * p.std() * torch.randn(p.shape, generator=noise_rng))
+policy.save_pretrained(policy_dir)
+AutoTokenizer.from_pretrained(cli.model).save_pretrained(policy_dir)
+del policy
+w_policy = load_file(os.path.join(policy_dir, "model.safetensors"))
+
+
+def noisy_policy(run, **kwargs):  # infra.load_model, then the policy's weights from the noisy folder
+    policy, reference = load_model(run, **kwargs)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            p.copy_(w_policy[n])
+    return policy, reference
+
+
+load_model, infra.load_model = infra.load_model, noisy_policy
+
+# ------------------------------------------------------------------------------------------------------------------
+# 2. our update: dpo.py's main, watched
+watch = harness.StepWatch()
+flags = [
+    "--model_name_or_path", cli.model, "--dataset_name", data, "--seed", str(cli.seed),
+    "--total_episodes", str(BATCH), "--per_device_train_batch_size", str(PER_DEVICE),
+    "--gradient_accumulation_steps", str(ACCUMULATION), "--learning_rate", str(cli.learning_rate),
+    "--beta", str(cli.beta), "--loss_type", cli.loss_type, "--output_dir", f"{tmp}/ours",
+]  # fmt: skip
+dpo.main(tyro.cli(dpo.Args, args=flags, use_underscores=True))
+ours = watch.take()
+gc.collect()  # our run, its model and optimiser
+rows = watch.rows  # our rendering of every pair: {"prompt", "chosen", "rejected", "margin", "row"}
+order = [i for micro in ours["micro_batches"] for i in micro]
+our_row = [json.loads(line) for line in open(f"{tmp}/ours/metrics.jsonl") if '"lr"' in line][0]  # the update's
+w_ours = load_file(f"{tmp}/ours/model.safetensors")
+print(f"ours: {len(ours['steps'])} optimiser step, micro-batches {ours['micro_batches']} of {len(rows)} pairs")
+
+# ------------------------------------------------------------------------------------------------------------------
+# 3. TRL's update on our pairs, in our order
+import datasets  # noqa: E402
+from trl import DPOConfig, DPOTrainer, __version__  # noqa: E402
+
+config = harness.trl_step_config(
+    DPOConfig,
+    f"{tmp}/trl",
+    cli.seed,
+    cli.learning_rate,
+    PER_DEVICE,
+    ACCUMULATION,
+    max_length=1024,  # ours
+    beta=cli.beta,
+    loss_type=[cli.loss_type],
+    precompute_ref_log_probs=False,
+)
+logs = harness.trl_logs()
+trainer = DPOTrainer(
+    model=policy_dir,
+    ref_model=AutoModelForCausalLM.from_pretrained(cli.model),
+    args=config,
+    train_dataset=datasets.load_dataset("json", data_files=data, split="train"),
+    processing_class=AutoTokenizer.from_pretrained(cli.model),
+    callbacks=[logs],
+)
+print(f"TRL {__version__} loaded: {trainer.model.dtype} {trainer.model.config._attn_implementation}")
+w_start, w_reference = w_policy, load_file(os.path.join(cli.model, "model.safetensors"))
+assert all(torch.equal(p, w_start[n]) for n, p in trainer.model.named_parameters()), "the policies start apart"
+assert all(torch.equal(p, w_reference[n]) for n, p in trainer.ref_model.named_parameters()), "the references differ"
+
+# the two renderings: each pair's prompt, chosen and rejected tokens
+prepared = trainer.train_dataset
+assert len(prepared) == len(rows) and all(r["row"] == i for i, r in enumerate(rows)), "a side left pairs out"
+same = sum(
+    [prepared[i][f"{part}_ids"] for part in ("prompt", "chosen", "rejected")] == [r["prompt"], r["chosen"], r["rejected"]]
+    for i, r in enumerate(rows)
+)
+print(f"rendering: {same} of {len(rows)} pairs the same prompt, chosen and rejected tokens")
+lengths = [(len(rows[i]["prompt"]), len(rows[i]["chosen"]), len(rows[i]["rejected"])) for i in order]
+print(f"the batch: pairs {order}, tokens (prompt, chosen, rejected) {lengths}")
+
+trainer._get_train_sampler = lambda dataset=None: harness.in_order(order)
+trainer.train()
+trl = watch.take()
+trl_row = logs.rows[0]
+w_trl = {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+# ------------------------------------------------------------------------------------------------------------------
+# 4. comparison
+print(
+    f"\nseed {cli.seed}, format {cli.format}, loss {cli.loss_type}, beta {cli.beta}, noise {cli.noise}: one step of "
+    f"{BATCH} pairs, micro-batches of {PER_DEVICE}, lr {cli.learning_rate}"
+)
+names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]
+harness.step_report(
+    ours,
+    trl,
+    our_row,
+    trl_row,
+    [("loss/dpo", "loss")] + [(name, name) for name in names],
+    (w_start, w_ours, w_trl),
+    cli.learning_rate,
+)
+shutil.rmtree(tmp)  # the saved models
