@@ -76,7 +76,7 @@ def rlhf():
     dpo = runs(folder, "dpo_eval")
     if dpo:
         after = [evals(rows, "eval/rewards/sentiment")[0]["eval/rewards/sentiment"] for rows in dpo.values()]
-        lines.append(f"| dpo.py on the same pairs (2 epochs) | {' '.join(map(str, dpo))} | (as above) | {cell(after)} | |")
+        lines.append(f"| dpo.py on the same pairs (1 epoch) | {' '.join(map(str, dpo))} | (as above) | {cell(after)} | |")
     dpo_runs = runs(folder, "dpo")
     if dpo_runs:
         margins = [evals(rows, "eval/rewards/margins")[-1]["eval/rewards/margins"] for rows in dpo_runs.values()]
@@ -100,22 +100,33 @@ def calculator():
         "",
         "`bash benchmark/pipeline/calculator.sh`, then `python benchmark/pipeline/report.py`. SmolLM2-135M-Instruct;",
         "sft.py on 256 synthetic calculator traces, then grpo.py with the calculator environment on sums of 3- to",
-        "5-digit numbers; the held-out evaluation: 200 such sums, greedy.",
+        "5-digit numbers. The held-out evaluation: 200 such sums, greedy, before training and every 96 episodes",
+        "(`eval/scores` is pass@1). Each row is one run, named by its folder; the updates it finished are counted.",
         "",
-        "| start | seeds | held-out pass@1 before | after | tool calls per episode, first update | last update |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| run | updates | evaluations: episode, pass@1, tool calls per episode | training: tool calls per episode,"
+        " accuracy (first, last update) |",
+        "| --- | --- | --- | --- |",
     ]
-    for name, label in [("grpo_calc_sft", "after sft.py"), ("grpo_base", "without SFT")]:
-        got = runs(folder, name)
-        if not got:
-            continue
-        before = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in got.values()]
-        after = [evals(rows, "eval/scores")[-1]["eval/scores"] for rows in got.values()]
-        calls = [[r["env/tool_calls"] for r in rows if "env/tool_calls" in r] for rows in got.values()]
-        lines.append(
-            f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} | {cell([c[0] for c in calls])}"
-            f" | {cell([c[-1] for c in calls])} |"
+    for path in sorted(glob.glob(os.path.join(folder, "grpo_*"))):
+        rows = harness.read(os.path.join(path, "metrics.jsonl"))
+        ev = [
+            f"{r['episode']}: {r['eval/scores']:.3f}, {r.get('eval/tool_calls', float('nan')):.2f}"
+            for r in evals(rows, "eval/scores")
+        ]
+        train = [r for r in rows if "env/tool_calls" in r]
+        seen = (
+            f"{train[0]['env/tool_calls']:.2f} to {train[-1]['env/tool_calls']:.2f};"
+            f" {train[0]['rewards/accuracy/mean']:.3f} to {train[-1]['rewards/accuracy/mean']:.3f}"
+            if train
+            else ""
         )
+        lines.append(f"| {os.path.basename(path)} | {len(train)} | {'; '.join(ev)} | {seen} |")
+    sft = harness.read(os.path.join(folder, "calc_sft", "metrics.jsonl"))
+    lines += [
+        "",
+        f"sft.py: loss per learnt token {sft[0]['loss/sft']:.3f} at the first update, {sft[-1]['loss/sft']:.5f} at the"
+        f" last ({sft[-1]['episode']} traces); next-token accuracy {sft[-1]['train/mean_token_accuracy']:.3f}.",
+    ]
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# RLHF from preferences, end to end on a CPU (docs/pipeline.md): reward.py learns the sentiment labeller's preferences
+# (data/preferences.jsonl, made by data/make_preferences.py), then rloo.py trains on that reward model; dpo.py learns
+# from the same pairs. Both against rloo.py on the true score (the VADER sentiment the pairs were labelled with). Every
+# run is evaluated on the 64 held-out prompts by the true score (eval/rewards/sentiment, greedy). The RM runs log the
+# true score beside the learnt one (--reward_fn sentiment with weight 0: it is measured, not trained on).
+#   bash benchmark/pipeline/rlhf_offline.sh            (about 90 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/pipeline}
+RES=benchmark/results/pipeline/rlhf_offline
+SEEDS=${SEEDS:-"1 2 3"}
+EVAL="--eval_dataset_name data/preferences_test.jsonl --eval_every 96"
+mkdir -p "$RES"
+keep() { mkdir -p "$RES/$1"; cp "$OUT/$1/metrics.jsonl" "$OUT/$1/args.json" "$RES/$1/"; }
+
+[ -f "$OUT/rm/config.json" ] || python reward.py --num_train_epochs 2 --eval_dataset_name data/preferences_test.jsonl \
+    --output_dir "$OUT/rm"
+keep rm
+for seed in $SEEDS; do
+    python rloo.py --seed "$seed" --reward_model_path "$OUT/rm" --reward_fn sentiment --reward_weights 1 0 $EVAL \
+        --output_dir "$OUT/rloo_rm_$seed" --no_save_model && keep "rloo_rm_$seed"
+    python rloo.py --seed "$seed" $EVAL --output_dir "$OUT/rloo_true_$seed" --no_save_model && keep "rloo_true_$seed"
+    python dpo.py --seed "$seed" --num_train_epochs 1 --learning_rate 1e-5 --eval_dataset_name data/preferences_test.jsonl \
+        --output_dir "$OUT/dpo_$seed" && keep "dpo_$seed"
+    # the DPO model's true score on the held-out prompts: the evaluation an RL run makes before its first update
+    python rloo.py --model_name_or_path "$OUT/dpo_$seed" --seed "$seed" $EVAL --total_episodes 16 \
+        --output_dir "$OUT/dpo_eval_$seed" --no_save_model && keep "dpo_eval_$seed"
+done
