@@ -60,11 +60,13 @@ def rlhf():
         got = runs(folder, name)
         if not got:
             continue
-        before = [evals(rows, "eval/rewards/sentiment")[0]["eval/rewards/sentiment"] for rows in got.values()]
-        after = [evals(rows, "eval/rewards/sentiment")[-1]["eval/rewards/sentiment"] for rows in got.values()]
-        learnt = [evals(rows, "eval/rewards/sentiment")[-1].get("eval/rewards/rm", float("nan")) for rows in got.values()]
+        key = "eval/rewards/sentiment" if name == "rloo_rm" else "eval/scores"  # (the true score alone: eval/scores)
+        before = [evals(rows, key)[0][key] for rows in got.values()]
+        after = [evals(rows, key)[-1][key] for rows in got.values()]
+        learnt = [evals(rows, key)[-1].get("eval/rewards/rm", float("nan")) for rows in got.values()]
         own = cell(learnt) if name == "rloo_rm" else ""
-        lines.append(f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} | {own} |")
+        done = max(r["episode"] for rows in got.values() for r in rows)
+        lines.append(f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} (episode {done}) | {own} |")
         train = [[r["rewards/sentiment/mean"] for r in rows if "rewards/sentiment/mean" in r] for rows in got.values()]
         width = min(map(len, train))
         episodes = [r["episode"] for r in next(iter(got.values())) if "rewards/sentiment/mean" in r][:width]
@@ -74,8 +76,8 @@ def rlhf():
             harness.band(ax[1], episodes, learnt_curve, "learnt reward (its offset subtracted)")
             harness.band(ax[1], episodes, [t[:width] for t in train], "true score", linestyle="--")
     dpo = runs(folder, "dpo_eval")
-    if dpo:
-        after = [evals(rows, "eval/rewards/sentiment")[0]["eval/rewards/sentiment"] for rows in dpo.values()]
+    if dpo:  # (the sentiment its one source: eval/scores)
+        after = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in dpo.values()]
         lines.append(f"| dpo.py on the same pairs (1 epoch) | {' '.join(map(str, dpo))} | (as above) | {cell(after)} | |")
     dpo_runs = runs(folder, "dpo")
     if dpo_runs:
@@ -103,16 +105,12 @@ def calculator():
         "5-digit numbers. The held-out evaluation: 200 such sums, greedy, before training and every 96 episodes",
         "(`eval/scores` is pass@1). Each row is one run, named by its folder; the updates it finished are counted.",
         "",
-        "| run | updates | evaluations: episode, pass@1, tool calls per episode | training: tool calls per episode,"
-        " accuracy (first, last update) |",
+        "| run | updates | evaluations: episode, pass@1 | training: tool calls per episode, accuracy (first, last update) |",
         "| --- | --- | --- | --- |",
     ]
     for path in sorted(glob.glob(os.path.join(folder, "grpo_*"))):
         rows = harness.read(os.path.join(path, "metrics.jsonl"))
-        ev = [
-            f"{r['episode']}: {r['eval/scores']:.3f}, {r.get('eval/tool_calls', float('nan')):.2f}"
-            for r in evals(rows, "eval/scores")
-        ]
+        ev = [f"{r['episode']}: {r['eval/scores']:.3f}" for r in evals(rows, "eval/scores")]
         train = [r for r in rows if "env/tool_calls" in r]
         seen = (
             f"{train[0]['env/tool_calls']:.2f} to {train[-1]['env/tool_calls']:.2f};"
