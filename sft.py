@@ -10,7 +10,8 @@ Paper: Ouyang et al. 2022, "Training language models to follow instructions with
 
 Run (offline, on a CPU: SmolLM2-135M-Instruct learns to call the calculator tool from synthetic traces, the first step
 of docs/pipeline.md's tool-use run):
-    python sft.py --chat_template examples/environments/chatml_tools.jinja --assistant_only_loss
+    python sft.py --chat_template examples/environments/chatml_tools.jinja --assistant_only_loss \
+        --total_episodes 256 --learning_rate 1e-4
 With a hub dataset, on GPUs:
     accelerate launch sft.py --model_name_or_path EleutherAI/pythia-1b-deduped \
         --dataset_name trl-lib/tldr --eval_dataset_name trl-lib/tldr --eval_split validation
