@@ -53,8 +53,9 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     return obj
 
 
-def load_tokenizer(name, trust_remote_code=False):
-    """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none)."""
+def load_tokenizer(name, trust_remote_code=False, chat_template=None):
+    """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none);
+    chat_template: a Jinja file that replaces its chat template (--chat_template, saved with the model)."""
     from transformers import AutoTokenizer
 
     tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code)
@@ -65,6 +66,10 @@ def load_tokenizer(name, trust_remote_code=False):
         # safe: masks come from lengths, never from comparing tokens with the pad id
         tokenizer.pad_token = tokenizer.eos_token
         print(f"note: tokenizer of {name!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding")
+    if chat_template:
+        if not os.path.isfile(chat_template):
+            die(f"--chat_template file {chat_template!r} does not exist")
+        tokenizer.chat_template = open(chat_template).read()
     return tokenizer
 
 

@@ -5,7 +5,6 @@ held-out set, and the model as loaded. A reward model's input is rendered here b
 """
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +15,7 @@ from utils import die, init_value_head
 
 from .data import Shuffled, read_dataset
 from .flags import TrainArgs
-from .models import check_model, load_pretrained, load_tokenizer, trainable, zero3
+from .models import check_model, load_pretrained, load_tokenizer, trainable
 
 
 @dataclass
@@ -64,6 +63,20 @@ def training_examples(args):
 # rendering: TRL's rules
 
 
+def shared(a, b):
+    """how many items (tokens, messages, characters) a and b share at the start"""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def with_eos(tokenizer, text):
+    """text ending with the EOS token (TRL's rule for a string completion or text)"""
+    eos = tokenizer.eos_token or ""
+    return text if text.endswith(eos) else text + eos
+
+
 def is_chat(value):
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
 
@@ -88,12 +101,9 @@ def render(tokenizer, prompt, completion, tools=None):
         head = template_ids(tokenizer, prompt, tools, add_generation_prompt=True)
         whole = template_ids(tokenizer, prompt + completion, tools)
     else:
-        eos = tokenizer.eos_token or ""
         head = tokenizer(prompt)["input_ids"]
-        whole = tokenizer(prompt + completion + ("" if completion.endswith(eos) else eos))["input_ids"]
-    n = 0
-    while n < min(len(head), len(whole)) and head[n] == whole[n]:
-        n += 1
+        whole = tokenizer(with_eos(tokenizer, prompt + completion))["input_ids"]
+    n = shared(head, whole)
     return whole[:n], whole[n:]
 
 
@@ -106,8 +116,9 @@ def assistant_mask(tokenizer, messages, tools, ids):
         if message.get("role") != "assistant":
             continue
         start = len(template_ids(tokenizer, messages[:i], tools, add_generation_prompt=True))
-        end = len(template_ids(tokenizer, messages[: i + 1], tools))
-        if ids[:end] != template_ids(tokenizer, messages[: i + 1], tools)[:end]:
+        upto = template_ids(tokenizer, messages[: i + 1], tools)
+        end = len(upto)
+        if ids[:end] != upto:
             die("--assistant_only_loss: the chat template renders a conversation's start differently from the whole")
         segment = ids[start:end]
         if tokenizer.eos_token_id in segment:  # up to and including the message's end token
@@ -124,9 +135,7 @@ def tools_of(row):
 def implicit_prompt(chosen, rejected):
     """A pair without a prompt column: the prompt is what chosen and rejected share at the start (the messages before
     the first that differs; for strings, the text up to the last space before the first character that differs)."""
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
+    n = shared(chosen, rejected)
     if isinstance(chosen, str):
         n = chosen.rfind(" ", 0, n + 1) if n < min(len(chosen), len(rejected)) else n
         n = max(n, 0)
@@ -176,8 +185,7 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
         else:
             if not isinstance(row["text"], str) or not row["text"].strip():
                 die(f"{where}, row {i}: empty text")
-            eos = tokenizer.eos_token or ""
-            ids = tokenizer(row["text"] + ("" if row["text"].endswith(eos) else eos))["input_ids"]
+            ids = tokenizer(with_eos(tokenizer, row["text"]))["input_ids"]
             mask = [True] * len(ids)
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask[1:]):  # the first token is predicted by nothing
@@ -232,11 +240,7 @@ def load_examples(run, pairs=False, **rendering):
     pair_rows, given the rendering's flags), checked before any model loads; their batches (Examples), registered
     for checkpointing."""
     args = run.args
-    run.tokenizer = tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    if args.chat_template:
-        if not os.path.isfile(args.chat_template):
-            die(f"--chat_template file {args.chat_template!r} does not exist")
-        tokenizer.chat_template = open(args.chat_template).read()
+    run.tokenizer = tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.chat_template)
     rows_of = pair_rows if pairs else sft_rows
     sets = [(args.dataset_name, args.dataset_split)]
     if args.eval_dataset_name:
@@ -392,15 +396,3 @@ def save_reward_input(run, model, offset):
     with this rule (infra/rewards.py), which plain transformers does not know of: it gives the score before the offset."""
     config = run.accelerator.unwrap_model(model).config
     config.reward_input = {"rendering": "conversation", "offset": offset}
-
-
-__all__ = [
-    "ExampleArgs",
-    "load_examples",
-    "load_model",
-    "load_references",
-    "render",
-    "save_reward_input",
-    "training_examples",
-    "zero3",
-]

@@ -151,32 +151,27 @@ def rm_scores(
     messages), less the rule's offset; any other reads the text re-encoded, a stop token that decoding drops (EOS)
     becoming the reward model's EOS token."""
     chat = raw is not None and is_chat(raw[0])
-    if rm_tokenizer is not None and (rule is not None or chat or conversations is not None):
-        completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-        seqs = reward_input(rm_tokenizer, raw, completions, conversations)
-        ids, mask = (t.to(query_responses.device) for t in left_pad(seqs, rm_tokenizer.pad_token_id))
-        scores = scalar_forward(reward_model, ids, mask)[:, -1].float() - (rule or {}).get("offset", 0.0)
-        if not torch.isfinite(scores).all():
-            die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
-        return scores
     if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
         ids, last = query_responses, context_length + lengths - 1
     else:
         completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
-        queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
-        seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
-        # read where the same vocabulary is read: at the stop token, which decoding drops when it is special (EOS)
-        if stop_token_id is not None and stop_token_id in tokenizer.all_special_ids:
-            if rm_tokenizer.eos_token_id is None:
-                die(f"the reward model's tokenizer {rm_tokenizer.name_or_path!r} has no EOS token to end completions with")
-            stopped = query_responses.gather(1, (context_length + lengths - 1)[:, None])[:, 0] == stop_token_id
-            seqs = [s + [rm_tokenizer.eos_token_id] if end else s for s, end in zip(seqs, stopped.tolist())]
+        if rule is not None or chat or conversations is not None:  # rendered as reward.py renders a pair
+            seqs = reward_input(rm_tokenizer, raw, completions, conversations)
+        else:
+            queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
+            seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
+            # read where the same vocabulary is read: at the stop token, which decoding drops when it is special (EOS)
+            if stop_token_id is not None and stop_token_id in tokenizer.all_special_ids:
+                if rm_tokenizer.eos_token_id is None:
+                    die(f"the reward model's tokenizer {rm_tokenizer.name_or_path!r} has no EOS token to end completions with")
+                stopped = query_responses.gather(1, (context_length + lengths - 1)[:, None])[:, 0] == stop_token_id
+                seqs = [s + [rm_tokenizer.eos_token_id] if end else s for s, end in zip(seqs, stopped.tolist())]
         ids, mask = (t.to(query_responses.device) for t in left_pad(seqs, rm_tokenizer.pad_token_id))
         last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
     scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
     if not torch.isfinite(scores).all():
         die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
-    return scores
+    return scores - (rule or {}).get("offset", 0.0)
 
 
 def reward_input(rm_tokenizer, raw, completions, conversations=None):
@@ -211,7 +206,7 @@ def get_scores(
                 context_length=context_length,
                 lengths=lengths,
                 stop_token_id=stop_token_id,
-                raw=raw if raw is not None else prompts,  # (no dataset rows given: string prompts, their texts)
+                raw=raw,
                 rule=source.get("rule"),
                 conversations=columns.get("messages") if env_rewards is not None else None,
             )

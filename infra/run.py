@@ -2,7 +2,6 @@
 resume, the learning rate, PTX, clipping, EMA, logging, evaluation and checkpoints, the end).
 """
 
-import os
 import random
 import sys
 import time
@@ -53,11 +52,7 @@ class Run:
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
         sources (in --reward_weights' order: reward models, then functions) and the PTX texts; then their draws."""
         args, accelerator = self.args, self.accelerator
-        self.tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-        if getattr(args, "chat_template", None):
-            if not os.path.isfile(args.chat_template):
-                die(f"--chat_template file {args.chat_template!r} does not exist")
-            self.tokenizer.chat_template = open(args.chat_template).read()
+        self.tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, getattr(args, "chat_template", None))
         self.stop_token_id = args.stop_token_id
         if self.stop_token_id is None and args.stop_token == "eos":
             self.stop_token_id = self.tokenizer.eos_token_id
@@ -172,17 +167,14 @@ class Run:
         if self.ptx_losses:
             stats.add(**{"loss/ptx": torch.stack(self.ptx_losses).mean()})
             self.ptx_losses = []
-        row = {"episode": self.episode, "eps": (self.episode - self.start_episode) / (time.time() - self.start_time)}
-        row.update(reduce_stats(accelerator, stats))
-        row["val/num_eos_tokens"] = accelerator.reduce(batch.contain_eos.float().sum(), reduction="sum").item()
+        rollout = {"val/num_eos_tokens": accelerator.reduce(batch.contain_eos.float().sum(), reduction="sum").item()}
         # the weighted score over the completions some source scored; each source's own statistics
         if self.sources:
-            row.update(reward_stats(accelerator, batch.per_source, self.sources, scores=scores, scored=scored))
+            rollout.update(reward_stats(accelerator, batch.per_source, self.sources, scores=scores, scored=scored))
         if args.response_length_min is not None:
-            row["completions/max_length_allowed"] = batch.max_length
-        row.update(batch.stats)  # --dynamic_sampling: its rounds and groups
-        row.update(metrics)
-        log_metrics(accelerator, self.writer, args, row)
+            rollout["completions/max_length_allowed"] = batch.max_length
+        rollout.update(batch.stats)  # --dynamic_sampling: its rounds and groups
+        row = self.log_stats(stats, **{**rollout, **metrics})
         every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
         if accelerator.is_main_process and every and (update - 1) % every == 0:
             print_samples(
@@ -215,8 +207,8 @@ class Run:
         return reduce_stats(self.accelerator, stats)
 
     def log_stats(self, stats, **metrics):
-        """A metrics row of a script that learns from a dataset: its statistics (utils.Stats) over all processes,
-        examples per second, and the script's metrics. Returns the row."""
+        """A metrics row: the update's statistics (utils.Stats) over all processes, episodes (examples, pairs) per
+        second, then the metrics given (log's rollout and score statistics; a script's own). Returns the row."""
         row = {"episode": self.episode, "eps": (self.episode - self.start_episode) / (time.time() - self.start_time)}
         row.update(reduce_stats(self.accelerator, stats))
         row.update(metrics)
