@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OF
 SUM=$OUTD/summary.txt; : > $SUM
 step() {  # step NAME CMD...: its exit status, wall time and last metrics row
   local name=$1; shift; local t0=$SECONDS
-  timeout -k 5 300 "$@" > $W/logs/$name.log 2>&1; local rc=$?
+  timeout -k 5 ${STEP_T:-300} "$@" > $W/logs/$name.log 2>&1; local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s $(tail -n 1 $W/$name/metrics.jsonl 2>/dev/null | cut -c1-240)" | tee -a $SUM
   [ $rc -ne 0 ] && grep -n -E "Error|error|Traceback" $W/logs/$name.log | tail -n 6 | tee -a $SUM
 }
@@ -30,4 +30,5 @@ step dpo $PY dpo.py $M $P --no_save_model --output_dir $W/dpo
 step dpo_bf16_precomputed $PY dpo.py $M --bf16 --precompute_ref_log_probs --no_save_model --output_dir $W/dpo_bf16_precomputed
 step rloo_on_reward $PY rloo.py --model_name_or_path $W/model --reward_model_path $W/reward --total_episodes 32 \
   --num_sample_generations 0 --no_save_model --output_dir $W/rloo_on_reward
+tar -czf $OUTD/logs.tgz -C $W logs $(cd $W && ls -d */metrics.jsonl 2>/dev/null) 2>/dev/null
 cat $SUM
