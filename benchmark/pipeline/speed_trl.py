@@ -330,8 +330,9 @@ DIFFERENCES = [
     "longest completion; TRL pads each whole row on the right to the longest.",
     "The LM head: TRL 1.16's SFTTrainer and DPOTrainer project only the positions whose next token is learnt (its "
     "fused LM head, in tiles, which also computes the entropy and the top-1 hits, and for DPO the mean logit, of "
-    "those positions); dpo.py projects the completions' positions (logits_to_keep); sft.py projects every position, "
-    "the prompt's included, and takes the log-softmax there. reward.py applies its score head to the completions' "
+    "those positions); dpo.py projects the completions' positions (logits_to_keep); sft.py, whose rows are left-"
+    "padded, projects every position from the micro-batch's first learnt one (a shorter prompt's last tokens "
+    "included) and takes the log-softmax there. reward.py applies its score head to the completions' "
     "positions, TRL's sequence-classification model to every position (one output: cheap).",
     "The reward model's score: ours at each completion's last token; TRL's at the last token that is not the pad "
     "token. SmolLM2's pad token is its EOS token, so on the tldr strings (which end with the EOS) TRL scores the token "
