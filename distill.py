@@ -142,16 +142,17 @@ def main(args):
 
     run.measure = held_out_kl
 
+    def on_policy(update):  # whether the student samples this update's completions (GKD's lambda), else the dataset's
+        return random.Random(args.seed * 100003 + update).random() < args.lmbda
+
     for update in run.updates():  # from the one after the newest checkpoint with --resume
         lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
         for group in optimizer.param_groups:
             group["lr"] = lr
 
         # 1. one completion per prompt: the student's own, or (GKD, --lmbda below 1) the dataset's; the same choice on
-        # every process and in a resumed run
-        on_policy = random.Random(args.seed * 100003 + update).random() < args.lmbda
-        prompts = sampler.draw()
-        batch = sampler.sample(prompts) if on_policy else sampler.sample(prompts, completions=args.completion_field)
+        # every process and in a resumed run; with --max_staleness N, drawn N updates ago and sampled since, ahead
+        batch = sampler.rollout(sampler.draw, completions=lambda u: None if on_policy(u) else args.completion_field)
         unsampled = batch.unsampled  # (rows, width): True where the student did not sample
 
         # 2. the teacher reads the same completions, after its own prompts with --teacher_prompt_field
@@ -239,7 +240,7 @@ def main(args):
         student.eval()
 
         # the update's statistics, averaged over the processes as they are written
-        stats.add(**{"val/response_length": batch.lengths.float().mean(), "distill/on_policy": float(on_policy)})
+        stats.add(**{"val/response_length": batch.lengths.float().mean(), "distill/on_policy": float(on_policy(update))})
         if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's
             stats.add(**vllm_stats)
         # the completions log's "advantage": each completion's negated reverse KL (sampled), summed over its tokens

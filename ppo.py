@@ -169,9 +169,9 @@ def main(args):
             group["lr"] = lr
         warmup = update <= args.critic_warmup_updates  # only the critic learns
 
-        # 1. this process's share of the next prompts; a completion of each, truncated after the stop token, and each
-        # reward source's scores
-        batch = sampler.sample(sampler.draw())
+        # 1. this process's share of the next prompts (draw); a completion of each, truncated after the stop token, and
+        # each reward source's scores; with --max_staleness N, drawn N updates ago and sampled since, by the policy of then
+        batch = sampler.rollout(sampler.draw)
         unsampled, width = batch.unsampled, batch.unsampled.shape[1]  # (rows, width): True past the end
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)

@@ -128,10 +128,10 @@ def main(args):
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # 1. this process's share of the next prompts; k completions of each (--environment: episodes), truncated after
-        # the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups keep
-        prompts = sampler.draw()
-        batch = sampler.sample(prompts, keep=keep if args.dynamic_sampling else None)
+        # 1. this process's share of the next prompts (draw); k completions of each (--environment: episodes), truncated
+        # after the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups
+        # keep; with --max_staleness N, drawn N updates ago and sampled since, ahead, by the policy of then
+        batch = sampler.rollout(sampler.draw, keep=keep if args.dynamic_sampling else None)
         unsampled = batch.unsampled  # (rows, width): True where the policy did not sample (padding, observations)
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)

@@ -6,8 +6,9 @@
     rewards       reward functions and models, loaded and called
     environments  multi-turn environments and tools (--environment); the episode loop is utils.episodes
     rollout       the Batch and the Sampler: drawing prompts, sampling and scoring a batch, dynamic sampling's rounds
+    ahead         --max_staleness: the batches of the next updates sampled in a thread on a copy of the policy
     decode        the scripts' own decoder, generate(), and its inverse-CDF draw
-    graphs        --cuda_graphs: decoding steps captured in CUDA graphs
+    graphs        --cuda_graphs (on a GPU, by default): decoding steps captured in CUDA graphs
     engine        --use_vllm: a vLLM engine in the training process
     evaluation    the held-out evaluation
     outputs       output_dir, resume, checkpoints, logs, the model card and the hub

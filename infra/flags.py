@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, Optional
 
-import torch
 import tyro
 
 from utils import die
@@ -46,10 +45,11 @@ class RolloutArgs(Checked):
     """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
     each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by importance sampling
     (docs/vllm.md). Needs vLLM installed; with several processes each has an engine"""
-    cuda_graphs: bool = False
-    """the scripts' own sampler with each decoding step captured in a CUDA graph over a static KV cache and replayed
-    (one launch per token instead of hundreds: small models decode several times faster on a GPU); one GPU per model,
-    not under ZeRO-3 or with --use_vllm. Checked against the plain forward pass when each graph is made"""
+    cuda_graphs: bool = True
+    """on a CUDA device, the scripts' own sampler with each decoding step captured in a CUDA graph over a static KV
+    cache and replayed (one launch per token instead of hundreds: small models decode several times faster), checked
+    against the plain forward pass when each graph is made; where a model cannot have graphs (ZeRO-3, a cache with
+    windows, ALiBi), the plain sampler, with one line saying why. No effect on a CPU; --no_cuda_graphs: off"""
     vllm_gpu_memory_utilization: float = 0.3
     """the share of the GPU's memory the engine's weights and KV cache may take (TRL's default)"""
     vllm_tensor_parallel_size: int = 1
@@ -69,6 +69,15 @@ class RolloutArgs(Checked):
     """the lower bound C_min of the importance weights (None: no lower bound)"""
     vllm_importance_sampling_cap: Optional[float] = None
     """deprecated, as in TRL: sets --vllm_importance_sampling_clip_max"""
+    vllm_importance_sampling_correction: bool = True
+    """weigh the samples of a vLLM engine, or of a sampler working ahead (--max_staleness), by importance sampling
+    (TRL's name); False: train on them as if the update's policy had sampled them"""
+    max_staleness: int = 0
+    """sample ahead (TRL's name): with N >= 1 the prompts of the next N updates are drawn now and sampled and scored on
+    a copy of the policy in a thread of its own while this process updates, each batch with the weights of when it was
+    drawn, so that it is N updates old when it is trained on (the first N updates: fewer); the copy's logprobs of its
+    tokens (the behaviour policy's) weigh the loss by --vllm_importance_sampling_mode (decoupled PPO;
+    docs/algorithms.md). 0: sample, then update, in turn"""
 
     def __post_init__(self):
         if self.temperature <= 0 or self.response_length < 1 or self.local_rollout_forward_batch_size < 1:
@@ -78,13 +87,13 @@ class RolloutArgs(Checked):
             die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
             die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
-        if self.cuda_graphs and self.use_vllm:
-            die("--cuda_graphs speeds up the scripts' own sampler: leave it out with --use_vllm")
-        if self.cuda_graphs and not torch.cuda.is_available():
-            die("--cuda_graphs needs a CUDA GPU")
         if self.vllm_importance_sampling_cap is not None:
             print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
             self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
+        if self.max_staleness < 0:
+            die(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness and self.use_vllm:
+            die("--max_staleness samples ahead with the scripts' own sampler, not yet with --use_vllm: leave one out")
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
             die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")

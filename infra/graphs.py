@@ -1,5 +1,5 @@
-"""--cuda_graphs: decoding with each step captured in a CUDA graph over a static KV cache, checked against the plain
-forward pass.
+"""--cuda_graphs (on by default, on a CUDA device): decoding with each step captured in a CUDA graph over a static KV
+cache, checked against the plain forward pass; where a model cannot have graphs, the plain sampler, with one line.
 """
 
 import functools
@@ -7,10 +7,26 @@ import functools
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from utils import die, forward, logprobs_from_logits
+from utils import forward, logprobs_from_logits
 
-from .decode import sample_tokens
+from .decode import generate, sample_tokens
 from .engine import error_line, logprobs_differ
+from .models import zero3
+
+
+class Refused(Exception):
+    """why a model cannot decode from CUDA graphs"""
+
+
+def decoder(run):
+    """The sampler's decoding: a GraphDecoder where --cuda_graphs (the default) can work, the model whole on a CUDA
+    device; else generate(), with one line where it is a GPU run that cannot (ZeRO-3: each step gathers the weights)."""
+    if not run.args.cuda_graphs or run.accelerator.device.type != "cuda":
+        return generate
+    if zero3(run.accelerator):
+        print("note: the plain sampler decodes: --cuda_graphs needs the model whole on each GPU, not under ZeRO-3")
+        return generate
+    return GraphDecoder()
 
 
 class GraphDecoder:
@@ -21,14 +37,40 @@ class GraphDecoder:
     use and then checked against the plain forward pass (the run stops in one line where it differs, or where the
     model cannot be captured); the `kept` most recently used are kept, each with its cache. Called as generate(), the
     same tokens up to rounding, but each row prefills its own prompt (group is not used; synced, ZeRO-3, is refused).
-    capture=False runs the same steps without a graph (a CPU test of everything but the capture)."""
+    capture=False runs the same steps without a graph (a CPU test of everything but the capture). A model that cannot
+    have graphs (a cache with windows, ALiBi, a step that cannot be captured, a graph that differs from the plain pass)
+    is decoded by generate() from then on, the reason printed once (and kept in `off`)."""
 
     def __init__(self, capture=True, kept=4):
-        self.capture, self.kept, self.graphs, self.pool = capture, kept, {}, None
+        self.capture, self.kept, self.graphs, self.pool, self.off = capture, kept, {}, None, None
+
+    def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None,
+                 max_position=None, **rest):  # fmt: skip
+        args = (model, queries, query_mask, response_length, temperature, stop_token_id, uniforms)
+        if self.off is None:
+            # autocast keeps one cast of each trainable weight per region, and a model that opens its own region
+            # inside (accelerate's bf16 forward) would have the graph read a cast made once, outside it, for good:
+            # the weights are read as frozen while the graphs decode, so that every replay casts them anew
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            try:
+                for p in trainable:
+                    p.requires_grad_(False)
+                return self.decode(*args, max_position=max_position)
+            except (Refused, torch.OutOfMemoryError) as why:
+                if isinstance(why, torch.OutOfMemoryError):  # (the graphs' static caches: the plain one grows as needed)
+                    why = "out of GPU memory for the graphs' static caches"
+                self.off = f"--cuda_graphs: {why}"
+                self.graphs.clear()
+                torch.cuda.empty_cache()
+                print(f"note: the plain sampler decodes from now on: {self.off}", flush=True)
+            finally:
+                for p in trainable:
+                    p.requires_grad_(True)
+        return generate(*args, max_position=max_position, **rest)
 
     @torch.no_grad()
-    def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None,
-                 max_position=None, **_):  # fmt: skip
+    def decode(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None,
+               max_position=None):  # fmt: skip
         rows, width = queries.shape
         device = queries.device
         uniforms = (torch.rand(rows, response_length) if uniforms is None else uniforms).to(device)
@@ -44,10 +86,10 @@ class GraphDecoder:
         if g is None:
             attention = model.config._attn_implementation
             if attention not in ("sdpa", "eager"):
-                die(f"--cuda_graphs takes sdpa or eager attention, not {attention}")
+                raise Refused(f"it takes sdpa or eager attention, not {attention}")
             cache = StaticCache(config=model.config, max_cache_len=size)
             if any(type(layer) is not StaticLayer for layer in cache.layers):
-                die(f"--cuda_graphs: this {kind} model's cache is not a plain static one (sliding windows?); train without it")
+                raise Refused(f"this {kind} model's cache is not a plain static one (sliding windows?)")
             cache.layers = [OneTypeLayer(size) for _ in cache.layers]
             g = StaticBuffers(rows, size, device, weights, cache, eager=attention == "eager")
 
@@ -78,7 +120,7 @@ class GraphDecoder:
         except Exception as e:  # noqa: BLE001 (a family that builds its own masks or biases: ALiBi's, say)
             if g.checked:
                 raise
-            die(f"--cuda_graphs: this {kind} model cannot decode over a static cache ({error_line(e)}); train without it")
+            raise Refused(f"this {kind} model cannot decode over a static cache ({error_line(e)})") from e
         token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, 0])
         tokens = [token]
         g.position.copy_((query_mask.sum(1, keepdim=True) - 1).clamp(min=0))  # (generate()'s, an empty prompt too)
@@ -134,6 +176,7 @@ class GraphDecoder:
         lengths = [layer.cumulative_length.clone() for layer in g.cache.layers]
         # (autocast's cache of cast weights off: the graph must cast the weights at each replay, not keep one cast)
         uncached = functools.partial(torch.autocast, "cuda", enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        stream = torch.cuda.current_stream()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -145,17 +188,19 @@ class GraphDecoder:
             torch.cuda.current_stream().wait_stream(side)
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=self.pool), uncached():
+            # (thread_local: the training thread may run beside a sampler working ahead, --max_staleness)
+            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"), uncached():
                 g.outputs = step()
-        except torch.OutOfMemoryError:
-            raise
         except Exception as e:  # noqa: BLE001 (a copy to the CPU or a sync inside the step, say)
-            die(f"--cuda_graphs: this {kind} model's decoding step cannot be captured ({error_line(e)}); train without it")
+            torch.cuda.set_stream(stream)  # (a capture that failed at its end leaves its stream current)
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise Refused(f"this {kind} model's decoding step cannot be captured ({error_line(e)})") from e
 
     @staticmethod
     def check(model, queries, query_mask, tokens, logprobs, temperature, kind):
-        """Stop the run in one line unless the graph's logprob of each token it drew is the plain forward pass's
-        (logprobs_differ; bf16: autocast's or the model's own)."""
+        """Refused unless the graph's logprob of each token it drew is the plain forward pass's (logprobs_differ; bf16:
+        autocast's or the model's own)."""
         drawn = tokens[:, 1 : 1 + len(logprobs)]
         ids = torch.cat([queries, tokens], 1)
         mask = torch.cat([query_mask, torch.ones_like(tokens)], 1)
@@ -167,9 +212,9 @@ class GraphDecoder:
         diff = (plain - torch.stack(logprobs, 1)).abs()
         low = torch.is_autocast_enabled(queries.device.type) or next(model.parameters()).dtype != torch.float32
         if logprobs_differ(diff, low):
-            die(
-                f"--cuda_graphs: the captured decoding of this {kind} model differs from its plain forward pass (logprobs "
-                f"by up to {diff.max():.3g}); train without --cuda_graphs"
+            raise Refused(
+                f"the captured decoding of this {kind} model differs from its plain forward pass (logprobs by up to "
+                f"{diff.max():.3g})"
             )
 
 

@@ -192,7 +192,7 @@ def push_to_hub(output_dir, repo_id, private):
 RESUMABLE = {
     "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
     "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private",
+    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private", "cuda_graphs",
 }  # fmt: skip
 # the files a resumed run cuts back to its checkpoint: their rows past it are written again
 LOGS = ["metrics.jsonl", "completions.jsonl"]
@@ -239,11 +239,12 @@ def resume(accelerator, args):
     return {**state, "checkpoint": path}
 
 
-def checkpoint(accelerator, model, args, update, state):
+def checkpoint(accelerator, model, args, update, state, extra=None):
     """A checkpoint of the run at this update, output_dir/checkpoint-NNNNNNN, and its path: accelerate's state
-    (under DeepSpeed each process's shards) and the script's `state` (a dict of tensors and numbers), written whole to
-    a .tmp folder and then renamed, so that a folder without .tmp is complete. Written after the update's metrics row,
-    so that a resumed run neither repeats nor loses one. Only the newest keep_checkpoints are kept."""
+    (under DeepSpeed each process's shards), what extra(folder) writes on each process (--max_staleness: its batches in
+    flight) and the script's `state` (a dict of tensors and numbers), written whole to a .tmp folder and then renamed,
+    so that a folder without .tmp is complete. Written after the update's metrics row, so that a resumed run neither
+    repeats nor loses one. Only the newest keep_checkpoints are kept."""
     finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters())  # (ZeRO-3: the shard)
     if accelerator.reduce(torch.tensor(float(finite), device=accelerator.device), reduction="sum") < args.world_size:
         die(f"non-finite weights at update {update}; no checkpoint written")
@@ -252,6 +253,8 @@ def checkpoint(accelerator, model, args, update, state):
         shutil.rmtree(path + ".tmp", ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(path + ".tmp")
+    if extra is not None:
+        extra(path + ".tmp")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         logs = {name: os.path.join(args.output_dir, name) for name in LOGS}

@@ -11,11 +11,12 @@ import torch
 
 from utils import INVALID_LOGPROB, die, episodes, pad_cat
 
+from .ahead import Ahead
 from .data import cat_rows, completion_ids, draw_prompts, left_pad, select_groups, take_rows
 from .decode import generate
 from .engine import vllm_engine, vllm_generate, vllm_sync
 from .environments import episode_stats
-from .graphs import GraphDecoder
+from .graphs import decoder
 from .hooks import notify
 from .models import zero3
 from .rewards import get_scores, score_completions
@@ -58,6 +59,8 @@ class Batch:
     group: int  # the rows that share a prompt in those chunks (utils.forward_grouped)
     conversations: Optional[list] = None  # --environment: each episode's messages, the prompt's first
     columns: Optional[dict] = None  # the rows' other dataset columns {name: values}
+    info: Optional[torch.Tensor] = None  # --environment: (turns, cut off, capped, tool calls, failed calls) (rows, 5)
+    version: Optional[int] = None  # --max_staleness: the updates the policy had taken when it sampled the batch
 
 
 class Sampler:
@@ -70,6 +73,7 @@ class Sampler:
 
     def __init__(self, run, policy):
         self.run, self.args, self.policy, self.k, self.env = run, run.args, policy, run.k, run.env
+        self.model = None  # a copy of the policy that samples instead (--max_staleness's worker)
         args, accelerator = run.args, run.accelerator
         self.chunk = args.local_rollout_forward_batch_size
         # a prompt's k completions run the prompt once (generate, forward_grouped) where every chunk holds whole prompts
@@ -77,7 +81,7 @@ class Sampler:
         self.engine = None
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
             self.engine = vllm_engine(accelerator, args, self.unwrapped())
-        self.decode = GraphDecoder() if args.cuda_graphs else generate  # (checked by start)
+        self.decode = decoder(run)  # CUDA graphs where they work (--cuda_graphs), else generate()
         # the most tokens an episode's context may hold, its prompt included: the model's positions, and the episode's
         # whole budget (the engine's length, with or without an engine: the same episodes either way)
         limits = [getattr(self.unwrapped().config.get_text_config(), "max_position_embeddings", None)]
@@ -90,10 +94,14 @@ class Sampler:
                 f"a prompt is {max(map(len, queries))} tokens as the model reads it (the tools' schemas included), which "
                 f"leaves an episode no room in the model's {self.context} positions: lower --max_prompt_length"
             )
+        # --max_staleness: the batches of the next updates sampled ahead, in a thread on a copy of the policy
+        self.ahead = Ahead(self, args.max_staleness) if getattr(args, "max_staleness", 0) else None
         run.sampler = self
 
     def unwrapped(self):
         """the policy as a transformers (or peft) model: the one the engine gets, and generate() runs"""
+        if self.model is not None:
+            return self.model
         model = self.run.accelerator.unwrap_model(self.policy)
         return getattr(model, "policy", model)
 
@@ -106,7 +114,21 @@ class Sampler:
         notify("draw", prompts.index)
         return prompts
 
-    def sample(self, prompts, keep=None, completions=None, draw=None):
+    def rollout(self, draw, keep=None, completions=None):
+        """This update's batch: sample(draw(), keep, completions); with --max_staleness N, the batch whose prompts
+        draw() gave N updates ago, sampled then, ahead, on a copy of the policy with its weights of then (infra.ahead;
+        completions may be a function of the update the batch is for)."""
+        if self.ahead is not None:
+            return self.ahead.next(draw, keep=keep, completions=completions)
+        completions = completions(self.run.update) if callable(completions) else completions
+        return self.sample(draw(), keep=keep, completions=completions)
+
+    def settle(self):
+        """Wait until nothing is sampled ahead (--max_staleness): the evaluation shares the environment and rewards."""
+        if self.ahead is not None:
+            self.ahead.settle()
+
+    def sample(self, prompts, keep=None, completions=None, draw=None, reduce=True):
         """The Batch of prompts' completions, without gradients and in the training precision (autocast also covers
         the reward models, which accelerate did not wrap). keep (DAPO's dynamic sampling): a rule, a Batch -> (prompts,)
         bools, the groups worth training on; further prompts are then drawn and sampled in rounds (at most
@@ -114,7 +136,8 @@ class Sampler:
         the first of them kept in order (a batch still short is filled with the others, earliest first); draw: what
         draws those prompts (a script's own pick; default self.draw, the dataset's shuffled order). completions:
         a dataset column whose completions stand in for sampled ones (distill.py's off-policy batches), scored as they
-        would be."""
+        would be. reduce False (a worker sampling ahead): the environment's metrics are left to the caller (batch.info),
+        which reduces them over the processes."""
         run = self.run
         if self.engine is not None and completions is None:  # the engine samples with the policy's weights of now
             vllm_sync(self.engine, self.unwrapped())
@@ -124,7 +147,9 @@ class Sampler:
             else:
                 rows, stats = self.sample_rows(prompts, completions), {}
             batch = self.assemble(rows, prompts.max_length, stats)
-            if self.env is not None:
+            if not self.args.vllm_importance_sampling_correction:  # trained on as if the update's policy had sampled
+                batch.engine_logprobs = None
+            if self.env is not None and reduce:
                 batch.stats.update(episode_stats(run, rows["info"], ~batch.unsampled, batch.lengths))
         notify("batch", self, batch)
         return batch
@@ -155,6 +180,7 @@ class Sampler:
             group=self.group,
             conversations=rows["messages"],
             columns=rows["columns"],
+            info=rows["info"],
         )
 
     def sample_rows(self, prompts, completions=None):

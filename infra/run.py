@@ -227,6 +227,8 @@ class Run:
             return
         if self.eval_set is None:
             return
+        if self.sampler is not None:  # (--max_staleness: the sampler ahead is done with the environment and rewards)
+            self.sampler.settle()
         metrics, samples = evaluate(
             self.accelerator,
             model=self.model,
@@ -255,7 +257,11 @@ class Run:
             self.evaluate()
         if args.checkpoint_every and update % args.checkpoint_every == 0:
             state = {"update": update, "episode": self.episode, **(state or {})}
-            self.last_checkpoint = checkpoint(self.accelerator, self.model, args, update, state=state)
+            ahead = self.sampler.ahead if self.sampler is not None else None  # --max_staleness's batches in flight
+            if ahead is not None:  # (sampled before the random states are saved: an environment swaps Python's)
+                ahead.settle()
+            extra = ahead.save if ahead is not None else None
+            self.last_checkpoint = checkpoint(self.accelerator, self.model, args, update, state=state, extra=extra)
 
     def finish(self, doc, algorithm):
         """The end of the run: the trained policy saved to output_dir (LoRA: the adapters, or merged with
@@ -311,8 +317,10 @@ def start(args, k=1, default_reward="sentiment"):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
-    if getattr(args, "cuda_graphs", False) and (accelerator.device.type != "cuda" or zero3(accelerator)):
-        die("--cuda_graphs needs the model whole on a CUDA device: not on a CPU, nor under ZeRO-3 (each step gathers it)")
+    if getattr(args, "max_staleness", 0) and (zero3(accelerator) or getattr(args, "dynamic_sampling", False)):
+        # ZeRO-3's decoding needs every process at each step, dynamic sampling's rounds draw more prompts as they go
+        die("--max_staleness samples ahead on a whole copy of the policy, in a fixed order: not under ZeRO-3 or with "
+            "--dynamic_sampling")  # fmt: skip
     if getattr(args, "use_vllm", False) and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
         die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
     seed = args.seed + accelerator.process_index * 100003

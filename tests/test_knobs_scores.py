@@ -197,10 +197,6 @@ def test_ratio_threshold_skips_only_runaway_micro_batches(run, tmp_path, tiny_mo
         ("--response_length_min 0", "--response_length_min must be in [1, --response_length 6], got 0"),
         ("--response_length_min 7", "--response_length_min must be in [1, --response_length 6], got 7"),
         ("--use_score_norm", "--use_score_norm needs --use_score_scaling"),
-        ("--cuda_graphs --use_vllm", "--cuda_graphs speeds up the scripts' own sampler: leave it out with --use_vllm"),
-        pytest.param(
-            "--cuda_graphs", "--cuda_graphs needs a CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="")
-        ),
     ],
 )
 def test_bad_flags_are_one_line_before_any_model_loads(flags, message, run, tmp_path, tiny_prompts_file):

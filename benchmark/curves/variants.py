@@ -13,6 +13,13 @@ clipping, where GSPO differs from GRPO, acts:
     grpo      grpo.py's defaults (token-level ratios, dapo loss)
     gspo      --importance_sampling_level sequence --epsilon 3e-4 --epsilon_high 4e-4 (the GSPO paper's clip range)
     dynamic   --dynamic_sampling (at most 3 generation rounds per update)
+    stale1, stale2        --max_staleness 1 and 2: each batch sampled ahead, 1 or 2 updates old, corrected in the loss
+    stale2_uncorrected    --max_staleness 2 --no_vllm_importance_sampling_correction: the same batches, unweighed
+
+The first three by default; the staleness study:
+
+    python benchmark/curves/variants.py --variants grpo stale1 stale2 stale2_uncorrected \
+        --out benchmark/results/async/staleness
 
 Runs go one after the other; each writes OUT/<variant>/seed<N>/metrics.jsonl, and a complete one is not run again
 (--rerun forces it). Writes OUT/results.json, OUT/results.md (held-out pass@1 before and after, its mean over the
@@ -36,6 +43,9 @@ VARIANTS = {
     "grpo": [],
     "gspo": ["--importance_sampling_level", "sequence", "--epsilon", "3e-4", "--epsilon_high", "4e-4"],
     "dynamic": ["--dynamic_sampling", "--max_sampling_rounds", "3"],
+    "stale1": ["--max_staleness", "1"],
+    "stale2": ["--max_staleness", "2"],
+    "stale2_uncorrected": ["--max_staleness", "2", "--no_vllm_importance_sampling_correction"],
 }
 K, PROMPTS = 4, 4  # completions per prompt, prompts per update
 
@@ -63,7 +73,7 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--updates", type=int, default=24, help="updates of 16 completions per run")
     parser.add_argument("--eval_every", type=int, default=96, help="episodes between held-out evaluations")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["grpo", "gspo", "dynamic"], choices=list(VARIANTS))
     parser.add_argument("--model", default=harness.SMOLLM2)
     parser.add_argument("--rerun", action="store_true", help="run again even where complete metrics exist")
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "curves", "variants_arithmetic"))

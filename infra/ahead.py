@@ -1,0 +1,139 @@
+"""--max_staleness N: sampling ahead. The prompts of the next N updates are drawn on the training thread, in the run's
+order, and sampled and scored in a thread of their own on a copy of the policy while the training thread updates.
+
+The order is fixed, not timed: the batch trained on at update u was drawn at update u - N (the first N + 1 at the
+first update) and sampled with the weights the policy had then, version max(0, u - 1 - N) (the updates taken), so that
+a run is the same however fast either side is, on one process or several, killed and resumed. The copy records its
+logprobs of every token it sampled (the behaviour policy's, the trainer's own function on the copy's weights): the
+scripts weigh each token's loss by the policy of the update's start over them, as they weigh an engine's samples
+(decoupled PPO; docs/algorithms.md).
+
+Threads, not processes: the reward sources, the environment and the tokenizer are the run's own (nothing is loaded
+twice), torch releases the interpreter's lock in its kernels, and a reward server's or a tool's waiting overlaps the
+update. The evaluation, which shares the environment and the reward models, waits for the sampler to be idle (settle).
+"""
+
+import collections
+import copy
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from utils import rollout_logprobs
+
+from .environments import episode_stats
+from .graphs import GraphDecoder
+
+
+class Ahead:
+    """The batches in flight (update, weights version, future) of a Sampler with --max_staleness n, sampled by a copy of
+    it (the same run, reward sources and environment) on a copy of the policy, in one worker thread."""
+
+    def __init__(self, sampler, n):
+        self.sampler, self.n, self.run = sampler, n, sampler.run
+        policy = sampler.unwrapped()
+        self.trained = [name for name, p in policy.named_parameters() if p.requires_grad]  # (LoRA: the adapters)
+        self.worker = copy.copy(sampler)
+        # its own tokenizer: the training thread decodes the logged samples, and a fast tokenizer that changes its
+        # truncation while another thread reads it raises (the reward models' and the environment's are the worker's)
+        self.worker.run = copy.copy(self.run)
+        self.worker.run.tokenizer = copy.deepcopy(self.run.tokenizer)
+        shared = {id(p): p for p in policy.parameters() if not p.requires_grad}  # (LoRA's frozen base: read, not copied)
+        self.worker.model = copy.deepcopy(policy, shared).eval().requires_grad_(False)
+        self.worker.decode = GraphDecoder() if isinstance(sampler.decode, GraphDecoder) else sampler.decode  # its own graphs
+        self.worker.ahead = None
+        # (a new thread's current GPU is the first: the worker takes this process's)
+        self.gpu = torch.cuda.current_device() if self.run.device.type == "cuda" else None
+        self.loaded = 0  # the weights version the copy holds
+        self.pending = collections.deque()
+        self.planned = None  # the update whose batch is drawn next
+        # one daemon thread: a run that stops (an error, Ctrl-C) does not wait for the batches still queued
+        self.jobs = queue.Queue()
+        threading.Thread(target=self.work, name="sampler", daemon=True).start()
+
+    def work(self):
+        while True:
+            future, args = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.sample(*args))
+                except BaseException as e:  # noqa: BLE001 (utils.die's SystemExit too: raised where it is waited for)
+                    future.set_exception(e)
+
+    def next(self, draw, keep=None, completions=None):
+        """This update's batch: first the prompts of the updates up to n ahead are drawn (draw(), here, in order) and
+        handed to the worker with the policy's weights of now; then the oldest batch, waited for. completions: as
+        Sampler.sample's, or a function of the update it is for."""
+        run = self.run
+        if self.planned is None:  # the run's first update, or a resumed run's: its batches in flight come back
+            self.planned = run.update
+            if run.args.resume and run.last_checkpoint is not None:
+                saved = os.path.join(run.last_checkpoint, f"ahead_{run.accelerator.process_index}.pt")
+                for update, version, batch in torch.load(saved, weights_only=False, map_location=run.device):
+                    self.pending.append((update, version, self.done(batch)))
+                    self.planned = update + 1
+        weights, version = None, run.update - 1  # the updates the policy has taken
+        while len(self.pending) <= self.n and self.planned <= run.args.num_updates:
+            if weights is None:  # (cloned now: the update about to run changes the policy in place)
+                named = dict(self.sampler.unwrapped().named_parameters())
+                weights = {name: named[name].detach().clone() for name in self.trained}
+            wanted = completions(self.planned) if callable(completions) else completions
+            job = Future()
+            self.jobs.put((job, (draw(), weights, version, keep, wanted)))
+            self.pending.append((self.planned, version, job))
+            self.planned += 1
+        update, version, job = self.pending.popleft()
+        assert update == run.update, f"the batch of update {update} at update {run.update}"
+        start = time.perf_counter()
+        try:
+            batch = job.result()
+        except BaseException:
+            for _, _, later in self.pending:  # the sampler's error, once: the run stops
+                later.cancel()
+            raise
+        batch.stats["async/staleness"] = run.update - 1 - version
+        batch.stats["async/wait_s"] = time.perf_counter() - start  # the update's wait for its batch
+        if self.sampler.env is not None:  # (reduced over the processes here: the worker takes no part in collectives)
+            batch.stats.update(episode_stats(run, batch.info, ~batch.unsampled, batch.lengths))
+        return batch
+
+    def sample(self, prompts, weights, version, keep, completions):
+        """In the worker: the batch of prompts sampled and scored with the given weights; with
+        --vllm_importance_sampling_correction, the copy's logprobs of each token it sampled as the batch's
+        engine_logprobs (the behaviour policy's)"""
+        worker, args = self.worker, self.run.args
+        if self.gpu is not None:
+            torch.cuda.set_device(self.gpu)
+        if version != self.loaded:
+            with torch.no_grad():
+                named = dict(worker.model.named_parameters())
+                for name in self.trained:
+                    named[name].copy_(weights[name])
+            self.loaded = version
+        batch = worker.sample(prompts, keep=keep, completions=completions, reduce=False)
+        batch.version = version
+        if completions is None and args.vllm_importance_sampling_correction:
+            with torch.no_grad(), self.run.accelerator.autocast():
+                batch.engine_logprobs = rollout_logprobs(worker.model, batch, args.temperature)
+        return batch
+
+    def settle(self):
+        """Wait until every batch in flight is sampled (the evaluation shares the sampler's environment and reward
+        models), and return them: (update, weights version, Batch), oldest first."""
+        return [(update, version, job.result()) for update, version, job in self.pending]
+
+    def save(self, path):
+        """The batches in flight, into the checkpoint being written at path: a resumed run trains on them as this one
+        would have (their prompts were drawn before the checkpoint, with weights older than its own)."""
+        torch.save(self.settle(), os.path.join(path, f"ahead_{self.run.accelerator.process_index}.pt"))
+
+    @staticmethod
+    def done(batch):
+        """a finished future holding batch"""
+        future = Future()
+        future.set_result(batch)
+        return future
