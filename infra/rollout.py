@@ -115,18 +115,13 @@ class Sampler:
         return prompts
 
     def rollout(self, draw, keep=None, completions=None):
-        """This update's batch: sample(draw(), keep, completions); with --max_staleness N, the batch whose prompts
-        draw() gave N updates ago, sampled then, ahead, on a copy of the policy with its weights of then (infra.ahead;
-        completions may be a function of the update the batch is for)."""
+        """This update's batch: sample(draw(), keep, completions, draw) (a script's draw also draws dynamic sampling's
+        later rounds); with --max_staleness N, the batch whose prompts draw() gave N updates ago, sampled then, ahead,
+        on a copy of the policy with its weights of then (infra.ahead; completions may be a function of the update)."""
         if self.ahead is not None:
             return self.ahead.next(draw, keep=keep, completions=completions)
         completions = completions(self.run.update) if callable(completions) else completions
-        return self.sample(draw(), keep=keep, completions=completions)
-
-    def settle(self):
-        """Wait until nothing is sampled ahead (--max_staleness): the evaluation shares the environment and rewards."""
-        if self.ahead is not None:
-            self.ahead.settle()
+        return self.sample(draw(), keep=keep, completions=completions, draw=draw)
 
     def sample(self, prompts, keep=None, completions=None, draw=None, reduce=True):
         """The Batch of prompts' completions, without gradients and in the training precision (autocast also covers

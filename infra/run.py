@@ -227,8 +227,8 @@ class Run:
             return
         if self.eval_set is None:
             return
-        if self.sampler is not None:  # (--max_staleness: the sampler ahead is done with the environment and rewards)
-            self.sampler.settle()
+        if self.sampler is not None and self.sampler.ahead is not None:  # (--max_staleness: the sampler ahead is done
+            self.sampler.ahead.settle()  # with the environment and reward models, which the evaluation shares)
         metrics, samples = evaluate(
             self.accelerator,
             model=self.model,
