@@ -25,13 +25,13 @@ import torch
 
 from utils import rollout_logprobs
 
-from .environments import episode_stats
 from .graphs import GraphDecoder
 
 
 class Ahead:
     """The batches in flight (update, weights version, future) of a Sampler with --max_staleness n, sampled by a copy of
-    it (the same run, reward sources and environment) on a copy of the policy, in one worker thread."""
+    it (the same reward sources and environment; the run's copy with a tokenizer of its own) on a copy of the policy,
+    in one worker thread."""
 
     def __init__(self, sampler, n):
         self.sampler, self.n, self.run = sampler, n, sampler.run
@@ -97,8 +97,6 @@ class Ahead:
             raise
         batch.stats["async/staleness"] = run.update - 1 - version
         batch.stats["async/wait_s"] = time.perf_counter() - start  # the update's wait for its batch
-        if self.sampler.env is not None:  # (reduced over the processes here: the worker takes no part in collectives)
-            batch.stats.update(episode_stats(run, batch.info, ~batch.unsampled, batch.lengths))
         return batch
 
     def sample(self, prompts, weights, version, keep, completions):
@@ -114,7 +112,7 @@ class Ahead:
                 for name in self.trained:
                     named[name].copy_(weights[name])
             self.loaded = version
-        batch = worker.sample(prompts, keep=keep, completions=completions, reduce=False)
+        batch = worker.sample(prompts, keep=keep, completions=completions)
         batch.version = version
         if completions is None and args.vllm_importance_sampling_correction:
             with torch.no_grad(), self.run.accelerator.autocast():

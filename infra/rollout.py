@@ -116,14 +116,18 @@ class Sampler:
 
     def rollout(self, draw, keep=None, completions=None):
         """This update's batch: sample(draw(), keep, completions, draw) (a script's draw also draws dynamic sampling's
-        later rounds); with --max_staleness N, the batch whose prompts draw() gave N updates ago, sampled then, ahead,
-        on a copy of the policy with its weights of then (infra.ahead; completions may be a function of the update)."""
+        later rounds); with --max_staleness N, the one draw() gave N updates ago, sampled since on a copy of the policy
+        (infra.ahead; completions may be a function of the update). Episodes' metrics are reduced here, not by a worker."""
         if self.ahead is not None:
-            return self.ahead.next(draw, keep=keep, completions=completions)
-        completions = completions(self.run.update) if callable(completions) else completions
-        return self.sample(draw(), keep=keep, completions=completions, draw=draw)
+            batch = self.ahead.next(draw, keep=keep, completions=completions)
+        else:
+            completions = completions(self.run.update) if callable(completions) else completions
+            batch = self.sample(draw(), keep=keep, completions=completions, draw=draw)
+        if self.env is not None:
+            batch.stats.update(episode_stats(self.run, batch.info, ~batch.unsampled, batch.lengths))
+        return batch
 
-    def sample(self, prompts, keep=None, completions=None, draw=None, reduce=True):
+    def sample(self, prompts, keep=None, completions=None, draw=None):
         """The Batch of prompts' completions, without gradients and in the training precision (autocast also covers
         the reward models, which accelerate did not wrap). keep (DAPO's dynamic sampling): a rule, a Batch -> (prompts,)
         bools, the groups worth training on; further prompts are then drawn and sampled in rounds (at most
@@ -131,8 +135,7 @@ class Sampler:
         the first of them kept in order (a batch still short is filled with the others, earliest first); draw: what
         draws those prompts (a script's own pick; default self.draw, the dataset's shuffled order). completions:
         a dataset column whose completions stand in for sampled ones (distill.py's off-policy batches), scored as they
-        would be. reduce False (a worker sampling ahead): the environment's metrics are left to the caller (batch.info),
-        which reduces them over the processes."""
+        would be."""
         run = self.run
         if self.engine is not None and completions is None:  # the engine samples with the policy's weights of now
             vllm_sync(self.engine, self.unwrapped())
@@ -144,8 +147,6 @@ class Sampler:
             batch = self.assemble(rows, prompts.max_length, stats)
             if not self.args.vllm_importance_sampling_correction:  # trained on as if the update's policy had sampled
                 batch.engine_logprobs = None
-            if self.env is not None and reduce:
-                batch.stats.update(episode_stats(run, rows["info"], ~batch.unsampled, batch.lengths))
         notify("batch", self, batch)
         return batch
 
