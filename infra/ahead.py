@@ -1,5 +1,6 @@
 """--max_staleness N: sampling ahead. The prompts of the next N updates are drawn on the training thread, in the run's
-order, and sampled and scored in a thread of their own on a copy of the policy while the training thread updates.
+order, and sampled and scored in a thread of their own on a copy of the policy (or by the vLLM engine, given the copy's
+weights) while the training thread updates.
 
 The order is fixed, not timed: the batch trained on at update u was drawn at update u - N (the first N + 1 at the
 first update) and sampled with the weights the policy had then, version max(0, u - 1 - N) (the updates taken), so that
@@ -73,7 +74,8 @@ class Ahead:
             self.planned = run.update
             if run.args.resume and run.last_checkpoint is not None:
                 saved = os.path.join(run.last_checkpoint, f"ahead_{run.accelerator.process_index}.pt")
-                for update, version, batch in torch.load(saved, weights_only=False, map_location=run.device):
+                device = "cpu" if run.device.type == "cpu" else run.device  # (torch.load takes no "cpu:0")
+                for update, version, batch in torch.load(saved, weights_only=False, map_location=device):
                     self.pending.append((update, version, self.done(batch)))
                     self.planned = update + 1
         weights, version = None, run.update - 1  # the updates the policy has taken
@@ -102,7 +104,8 @@ class Ahead:
     def sample(self, prompts, weights, version, keep, completions):
         """In the worker: the batch of prompts sampled and scored with the given weights; with
         --vllm_importance_sampling_correction, the copy's logprobs of each token it sampled as the batch's
-        engine_logprobs (the behaviour policy's)"""
+        engine_logprobs (the behaviour policy's); with --use_vllm the engine, given the copy's weights, sampled and
+        reported them"""
         worker, args = self.worker, self.run.args
         if self.gpu is not None:
             torch.cuda.set_device(self.gpu)
@@ -112,9 +115,9 @@ class Ahead:
                 for name in self.trained:
                     named[name].copy_(weights[name])
             self.loaded = version
-        batch = worker.sample(prompts, keep=keep, completions=completions)
+        batch = worker.sample(prompts, keep=keep, completions=completions)  # (--use_vllm: the engine given the copy's)
         batch.version = version
-        if completions is None and args.vllm_importance_sampling_correction:
+        if completions is None and worker.engine is None and args.vllm_importance_sampling_correction:
             with torch.no_grad(), self.run.accelerator.autocast():
                 batch.engine_logprobs = rollout_logprobs(worker.model, batch, args.temperature)
         return batch

@@ -92,8 +92,6 @@ class RolloutArgs(Checked):
             self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
         if self.max_staleness < 0:
             die(f"--max_staleness must be >= 0, got {self.max_staleness}")
-        if self.max_staleness and self.use_vllm:
-            die("--max_staleness samples ahead with the scripts' own sampler, not yet with --use_vllm: leave one out")
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
             die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")

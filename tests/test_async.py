@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from test_distributed import assert_same_run, launch, runs  # noqa: F401 (runs: the fixture)
 from test_reliability import without_eps
 from test_rloo import VOWELS, check_ok, read_metrics
+from test_vllm import EAGER, needs_vllm
 
 # runs a script as a user would, recording each update's prompts and noise (Sampler.draw), each Batch as sampled and
 # scored, and rloo.py's importance weights of each update, into RECORD
@@ -54,7 +55,9 @@ def weights_of(model_dir, version, out):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     if version:
-        model.load_state_dict(load_file(os.path.join(out, f"checkpoint-{version:07d}", "model.safetensors")))
+        saved = load_file(os.path.join(out, f"checkpoint-{version:07d}", "model.safetensors"))
+        assert set(model.load_state_dict(saved, strict=False).missing_keys) <= {"lm_head.weight"}  # (tied: the embeddings)
+        model.tie_weights()
     return model
 
 
@@ -158,7 +161,6 @@ def test_without_the_correction_no_weight_and_staleness_zero_untouched(run, tmp_
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ("--max_staleness 1 --use_vllm", "not yet with --use_vllm"),
         ("--max_staleness 1 --dynamic_sampling", "with --dynamic_sampling"),
         ("--max_staleness -1", "--max_staleness must be >= 0"),
     ],
@@ -192,12 +194,15 @@ def test_kill_then_resume_at_staleness_one(run, tmp_path, tiny_model_dir, tiny_p
 
 
 def test_two_processes_match_one_at_staleness_one(tmp_path, runs):  # noqa: F811
-    """grpo.py --max_staleness 1 on two processes (each with its own sampler thread) against one process: the same
+    """grpo.py --max_staleness 1 on two processes (each with its own sampler thread), killed with SIGKILL after their
+    second update and resumed (each process's batch in flight back from the checkpoint), against one process: the same
     metrics and the same saved model."""
-    args = f"{runs['grpo.py']} --max_staleness 1"
+    args = f"{runs['grpo.py']} --max_staleness 1 --checkpoint_every 1"
     one, two = tmp_path / "one", tmp_path / "two"
     check_ok(launch(1, "grpo.py", f"{args} --gradient_accumulation_steps 4 --output_dir {one}", tmp_path))
-    proc = launch(2, "grpo.py", f"{args} --gradient_accumulation_steps 2 --output_dir {two}", tmp_path)
+    cut = f"{args} --gradient_accumulation_steps 2 --output_dir {two}"
+    assert kill_after_rows(launch(2, "grpo.py", cut, tmp_path, wait=False), two, 2, group=True) == 2
+    proc = launch(2, "grpo.py", f"{cut} --resume", tmp_path)
     check_ok(proc)
     assert "world_size=2" in proc.stdout
     assert_same_run(one, two, "grpo.py")
@@ -231,3 +236,60 @@ def test_ppo_and_distill_sample_ahead(run, tmp_path, tiny_model_dir, tiny_prompt
     for update, on_policy in enumerate(picked, start=1):
         texts = [(c["prompt"], c["completion"]) for c in logged if c["update"] == update]
         assert len(texts) == 16 and all((c.strip() == dataset[p].strip()) != bool(on_policy) for p, c in texts), update
+
+
+def probe_run(script, args, tmp_path):
+    """script run with args through PROBE; its record (draws, batches, importance weights)"""
+    (tmp_path / "probe.py").write_text(PROBE)
+    record = tmp_path / "record.pt"
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, script), *args.split()],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RECORD": str(record)}, timeout=600,
+    )  # fmt: skip
+    check_ok(proc)
+    return torch.load(record, weights_only=False)
+
+
+@needs_vllm
+def test_a_vllm_engine_samples_ahead_with_the_weights_it_claims(tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """rloo.py --use_vllm --max_staleness 2: the engine samples each batch with the weights of the version it records
+    (given the worker's copy): its logprobs, recorded as it sampled, are that version's (fp32: within 1e-4, as in a
+    synchronous run), and the importance weights are a naive loop's with them as the behaviour."""
+    (tmp_path / "reward.py").write_text(VOWELS)
+    out = tmp_path / "out"
+    args = common(tiny_llama_dir, tiny_prompts_file, out) + f" {EAGER} --rloo_k 4 --reward_fn {tmp_path}/reward.py:vowels"
+    args += " --total_episodes 96 --learning_rate 3e-3 --max_staleness 2 --checkpoint_every 1 --keep_checkpoints 10"
+    rec = probe_run("rloo.py", args, tmp_path)
+    assert [r["async/staleness"] for r in read_metrics(out)] == [0, 1, 2, 2, 2, 2]
+    assert [b.version for b in rec["batches"]] == [0, 0, 0, 1, 2, 3]
+    for u, (batch, (start, weights, kw)) in enumerate(zip(rec["batches"], rec["weights"]), start=1):
+        real = ~batch.unsampled
+        behaviour = naive_logprobs(weights_of(tiny_llama_dir, batch.version, out), batch, 1.0)
+        torch.testing.assert_close(batch.engine_logprobs[real], behaviour[real], atol=1e-4, rtol=0)
+        at_start = naive_logprobs(weights_of(tiny_llama_dir, u - 1, out), batch, 1.0)
+        if u - 1 > batch.version:  # the engine had the old weights, not the policy's of the update's start
+            assert (batch.engine_logprobs[real] - at_start[real]).abs().max() > 1e-2, u
+        expected = torch.stack([(at_start[r] - behaviour[r])[real[r]].sum().exp().clamp(max=3.0) for r in range(len(real))])
+        torch.testing.assert_close(weights, expected.float(), atol=1e-3, rtol=1e-3)
+
+
+@needs_vllm
+def test_with_vllm_ahead_two_processes_killed_and_resumed_match_one(tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """rloo.py --use_vllm --max_staleness 1: two processes, each with its engine sampling ahead, killed with SIGKILL
+    while they train and resumed, give the uninterrupted one-process run's metrics and model."""
+    from test_distributed import launch
+
+    (tmp_path / "reward.py").write_text(VOWELS)
+    args = common(tiny_llama_dir, tiny_prompts_file, "{}").replace("--per_device_train_batch_size 8", "")
+    args += f" {EAGER} --rloo_k 4 --reward_fn {tmp_path}/reward.py:vowels --total_episodes 96"
+    args += " --per_device_train_batch_size 4 --learning_rate 1e-3 --max_staleness 1 --checkpoint_every 1"
+    args = args.replace(" --gradient_accumulation_steps 2", "")
+    check_ok(launch(1, "rloo.py", f"{args.format(tmp_path / 'one')} --gradient_accumulation_steps 4", tmp_path))
+    expected = read_metrics(tmp_path / "one")
+    assert [r["async/staleness"] for r in expected] == [0, 1, 1, 1, 1, 1]
+
+    cut = args.format(tmp_path / "cut") + " --gradient_accumulation_steps 2"
+    proc = launch(2, "rloo.py", cut, tmp_path, wait=False)
+    assert 3 <= kill_after_rows(proc, tmp_path / "cut", 3, group=True) < 6
+    check_ok(launch(2, "rloo.py", f"{cut} --resume", tmp_path))
+    assert_same_run(tmp_path / "one", tmp_path / "cut", "rloo.py")  # (the batches in flight came back from the checkpoint)
