@@ -1,6 +1,7 @@
 """--max_staleness N: sampling ahead. The prompts of the next N updates are drawn on the training thread, in the run's
-order, and sampled and scored in a thread of their own on a copy of the policy (or by the vLLM engine, given the copy's
-weights) while the training thread updates.
+order, and sampled and scored while the training thread updates: sampled in a thread of their own on a copy of the
+policy (or by the vLLM engine, given the copy's weights), then scored in a second thread while the first samples the
+next batch, so that a slow judge's waiting overlaps both the update and the sampling.
 
 The order is fixed, not timed: the batch trained on at update u was drawn at update u - N (the first N + 1 at the
 first update) and sampled with the weights the policy had then, version max(0, u - 1 - N) (the updates taken), so that
@@ -16,6 +17,7 @@ update. The evaluation, which shares the environment and the reward models, wait
 
 import collections
 import copy
+import functools
 import os
 import queue
 import threading
@@ -26,13 +28,14 @@ import torch
 
 from utils import rollout_logprobs
 
+from .data import truncate_response
 from .graphs import GraphDecoder
 
 
 class Ahead:
     """The batches in flight (update, weights version, future) of a Sampler with --max_staleness n, sampled by a copy of
-    it (the same reward sources and environment; the run's copy with a tokenizer of its own) on a copy of the policy,
-    in one worker thread."""
+    it (the same reward sources and environment; the run's copy with a tokenizer of its own) on a copy of the policy
+    in one worker thread, and scored in another."""
 
     def __init__(self, sampler, n):
         self.sampler, self.n, self.run = sampler, n, sampler.run
@@ -52,18 +55,63 @@ class Ahead:
         self.loaded = 0  # the weights version the copy holds
         self.pending = collections.deque()
         self.planned = None  # the update whose batch is drawn next
-        # one daemon thread: a run that stops (an error, Ctrl-C) does not wait for the batches still queued
-        self.jobs = queue.Queue()
+        # a second stage, so that a slow judge's waiting overlaps the sampling of the next batch: the sampler leaves the
+        # scores to a scorer thread (with a tokenizer of its own) and goes on; an episode's scores stay with the sampler
+        # (its environments are live objects, which the next batch resets)
+        self.scorer = copy.copy(self.worker)
+        self.scorer.run = copy.copy(self.worker.run)
+        self.scorer.run.tokenizer = copy.deepcopy(self.run.tokenizer)
+        if self.run.env is None:
+            self.worker.score = self.later
+        # daemon threads: a run that stops (an error, Ctrl-C) does not wait for the batches still queued
+        self.jobs, self.scoring = queue.Queue(), queue.Queue()
         threading.Thread(target=self.work, name="sampler", daemon=True).start()
+        threading.Thread(target=self.judge, name="scorer", daemon=True).start()
 
     def work(self):
+        """The sampler thread: each batch sampled, handed to the scorer, then its behaviour logprobs computed (while the
+        scorer scores it). An error (utils.die's SystemExit too) is raised where the batch is waited for."""
         while True:
             future, args = self.jobs.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(self.sample(*args))
-                except BaseException as e:  # noqa: BLE001 (utils.die's SystemExit too: raised where it is waited for)
-                    future.set_exception(e)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                batch = self.sample(*args)
+            except BaseException as e:  # noqa: BLE001
+                future.set_exception(e)
+                continue
+            logprobs = Future()
+            self.scoring.put((future, batch, logprobs))
+            try:
+                logprobs.set_result(self.behaviour(batch, completions=args[-1]))
+            except BaseException as e:  # noqa: BLE001
+                logprobs.set_exception(e)
+
+    def judge(self):
+        """The scorer thread: each batch's scores, which the sampler left to it; the batch is ready once its behaviour
+        logprobs are too."""
+        if self.gpu is not None:
+            torch.cuda.set_device(self.gpu)
+        while True:
+            future, batch, logprobs = self.scoring.get()
+            try:
+                if callable(batch.per_source):
+                    with torch.no_grad(), self.run.accelerator.autocast():  # (as Sampler.sample scores)
+                        batch.per_source = batch.per_source()[2]
+                behaviour = logprobs.result()
+                if behaviour is not None:
+                    batch.engine_logprobs = behaviour
+                future.set_result(batch)
+            except BaseException as e:  # noqa: BLE001
+                future.set_exception(e)
+
+    def later(self, queries, query_mask, completions, texts, columns, raw):
+        """The sampler's Sampler.score: the completions truncated after their stop token now, their scores (sources,
+        rows) a function that the scorer calls"""
+        run = self.worker.run
+        responses, lengths = truncate_response(completions, run.stop_token_id, run.tokenizer.pad_token_id)
+        scores = functools.partial(self.scorer.score, queries, query_mask, completions, texts, columns, raw)
+        return responses[:, : int(lengths.max())], lengths, scores
 
     def next(self, draw, keep=None, completions=None):
         """This update's batch: first the prompts of the updates up to n ahead are drawn (draw(), here, in order) and
@@ -102,11 +150,10 @@ class Ahead:
         return batch
 
     def sample(self, prompts, weights, version, keep, completions):
-        """In the worker: the batch of prompts sampled and scored with the given weights; with
-        --vllm_importance_sampling_correction, the copy's logprobs of each token it sampled as the batch's
-        engine_logprobs (the behaviour policy's); with --use_vllm the engine, given the copy's weights, sampled and
-        reported them"""
-        worker, args = self.worker, self.run.args
+        """In the worker: the batch of prompts sampled with the given weights (with --use_vllm by the engine, given the
+        copy's weights, which reports the behaviour's logprobs as it samples), its scores a function for the scorer
+        (episodes: scored)"""
+        worker = self.worker
         if self.gpu is not None:
             torch.cuda.set_device(self.gpu)
         if version != self.loaded:
@@ -117,10 +164,16 @@ class Ahead:
             self.loaded = version
         batch = worker.sample(prompts, keep=keep, completions=completions)  # (--use_vllm: the engine given the copy's)
         batch.version = version
-        if completions is None and worker.engine is None and args.vllm_importance_sampling_correction:
-            with torch.no_grad(), self.run.accelerator.autocast():
-                batch.engine_logprobs = rollout_logprobs(worker.model, batch, args.temperature)
         return batch
+
+    def behaviour(self, batch, completions):
+        """In the worker, with --vllm_importance_sampling_correction: the copy's logprobs of each token it sampled (the
+        behaviour policy's; None where an engine reported them or the dataset's completions stand in)"""
+        worker, args = self.worker, self.run.args
+        if completions is not None or worker.engine is not None or not args.vllm_importance_sampling_correction:
+            return None
+        with torch.no_grad(), self.run.accelerator.autocast():
+            return rollout_logprobs(worker.model, batch, args.temperature)
 
     def settle(self):
         """Wait until every batch in flight is sampled (the evaluation shares the sampler's environment and reward

@@ -158,6 +158,43 @@ def test_without_the_correction_no_weight_and_staleness_zero_untouched(run, tmp_
     assert metrics["stale"][0]["reward"] == metrics["sync"][0]["reward"] == metrics["bare"][0]["reward"]
 
 
+JUDGE = """
+import json, os, threading, time
+import infra.hooks
+sampled = []  # the batches the sampler has sampled (before their scores, since they are the scorer's)
+infra.hooks.WATCH["batch"].append(lambda sampler, batch: sampled.append(batch))
+calls = []
+
+def judge(prompts, completions, **kwargs):
+    # each batch but the last waits (at most 20 s) until the sampler has sampled the next one: a sampler that waited
+    # for the scores would not sample it while this call runs
+    calls.append(None)
+    n, deadline = len(calls), time.time() + 20
+    while n < int(os.environ["UPDATES"]) and len(sampled) <= n and time.time() < deadline:
+        time.sleep(0.01)
+    row = {"batch": n, "thread": threading.current_thread().name, "next_sampled": len(sampled) > n}
+    with open(os.environ["JUDGED"], "a") as f:
+        f.write(json.dumps(row) + "\\n")
+    return [float(len(c)) for c in completions]
+"""
+
+
+def test_a_slow_judge_scores_while_the_next_batch_samples(run, tmp_path, monkeypatch, tiny_model_dir, tiny_prompts_file):
+    """--max_staleness 1: the scores are the scorer thread's, so the sampler samples the next batch while a judge
+    scores one (a judge that waits for that would wait in vain if the sampler scored); the run's scores are the
+    judge's."""
+    (tmp_path / "judge.py").write_text(JUDGE)
+    out, judged = tmp_path / "out", tmp_path / "judged.jsonl"
+    args = common(tiny_model_dir, tiny_prompts_file, out) + f" --num_generations 4 --reward_fn {tmp_path}/judge.py:judge"
+    monkeypatch.setenv("UPDATES", "4")
+    monkeypatch.setenv("JUDGED", str(judged))
+    check_ok(run(f"grpo.py {args} --total_episodes 64 --max_staleness 1", cwd=tmp_path))
+    rows = [json.loads(line) for line in open(judged)]
+    assert [(r["batch"], r["thread"]) for r in rows] == [(n, "scorer") for n in range(1, 5)]
+    assert [r["next_sampled"] for r in rows] == [True, True, True, False]
+    assert [r["objective/scores"] > 0 for r in read_metrics(out)] == [True] * 4
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

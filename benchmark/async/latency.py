@@ -1,13 +1,13 @@
-"""A latency-bound task: grpo.py at --max_staleness 1 against 0 (the synchronous loop), episodes per second in one
-sitting, where the reward is a judge that takes a fixed --delay seconds per completion, one call at a time (an LLM
+"""A latency-bound task: grpo.py at --max_staleness 1 and 2 against 0 (the synchronous loop), episodes per second in
+one sitting, where the reward is a judge that takes a fixed --delay seconds per completion, one call at a time (an LLM
 judge or a sandbox stands in: time.sleep, which takes no CPU).
 
     python benchmark/async/latency.py                   # SmolLM2-135M-Instruct, 8 updates of 16 completions, 2 repeats
 
-Each repeat runs both sides one after the other, the order alternating. Episodes per second are the script's own
+Each repeat runs every side one after the other, the order alternating. Episodes per second are the script's own
 (`eps` of the last row: episodes since the loop began over seconds since). The synchronous run's update waits for
-16 x delay seconds of judging; the share of its time that was, and at staleness 1 how long each update still waited
-for its batch (`async/wait_s`), go in the table. Writes OUT/results.json and OUT/README.md (default
+16 x delay seconds of judging; the share of its time that was, and how long each update still waited for its batch
+when sampling ahead (`async/wait_s`), go in the table. Writes OUT/results.json and OUT/README.md (default
 benchmark/results/async/latency)."""
 
 import argparse
@@ -38,6 +38,7 @@ if __name__ == "__main__":
     parser.add_argument("--delay", type=float, default=0.3, help="seconds per judged completion")
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2], help="the sides sampling ahead, beside 0")
     parser.add_argument("--model", default=harness.SMOLLM2)
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "async", "latency"))
     args = parser.parse_args()
@@ -47,9 +48,10 @@ if __name__ == "__main__":
     judge = os.path.join(work, "judge.py")
     with open(judge, "w") as f:
         f.write(JUDGE.replace("DELAY", repr(args.delay)))
-    runs = {0: [], 1: []}
+    sides = [0, *args.staleness]
+    runs = {n: [] for n in sides}
     for repeat in range(args.repeats):
-        for staleness in [0, 1] if repeat % 2 == 0 else [1, 0]:
+        for staleness in sides if repeat % 2 == 0 else sides[::-1]:
             out = os.path.join(work, f"s{staleness}_r{repeat}")
             cmd = [sys.executable, os.path.join(REPO, "grpo.py"), "--model_name_or_path", args.model]
             cmd += ["--reward_fn", f"{judge}:slow_judge", "--total_episodes", str(16 * args.updates)]
@@ -61,23 +63,21 @@ if __name__ == "__main__":
             wait = statistics.mean(waits) if waits else None
             runs[staleness].append({"eps": rows[-1]["eps"], "wall_s": wall, "wait_s": wait})
             print(f"repeat {repeat} staleness {staleness}: {runs[staleness][-1]}", flush=True)
-    eps0 = [r["eps"] for r in runs[0]]
-    eps1 = [r["eps"] for r in runs[1]]
-    ratios = [b / a for a, b in zip(eps0, eps1)]
-    seconds_per_update = 16 / statistics.mean(eps0)
+    eps = {n: [r["eps"] for r in runs[n]] for n in sides}
+    ratios = {n: [b / a for a, b in zip(eps[0], eps[n])] for n in args.staleness}
+    seconds_per_update = 16 / statistics.mean(eps[0])
     judged = 16 * args.delay
     results = {
         "setting": {"delay_s": args.delay, "updates": args.updates, "completions_per_update": 16, "model": args.model},
-        "staleness0": runs[0],
-        "staleness1": runs[1],
-        "ratio": ratios,
+        **{f"staleness{n}": runs[n] for n in sides},
+        "ratio": {str(n): ratios[n] for n in args.staleness},
         "sync_seconds_per_update": seconds_per_update,
         "judging_seconds_per_update": judged,
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    wait1 = statistics.mean(r["wait_s"] for r in runs[1])
+    flags = " ".join(map(str, args.staleness))
     lines = [
         "# Sampling ahead on a latency-bound task",
         "",
@@ -86,18 +86,25 @@ if __name__ == "__main__":
         "in one sitting, the order alternating:",
         "",
         "```bash",
-        f"python benchmark/async/latency.py --delay {args.delay} --updates {args.updates} --repeats {args.repeats}",
+        f"python benchmark/async/latency.py --delay {args.delay} --updates {args.updates} --repeats {args.repeats} "
+        f"--staleness {flags}",
         "```",
         "",
-        "| | episodes/s, mean (lowest to highest) |",
-        "| --- | --- |",
-        f"| `--max_staleness 0` (sample, judge, update in turn) | {harness.spread(eps0, 2)} |",
-        f"| `--max_staleness 1` (sampled and judged in a thread while the policy updates) | {harness.spread(eps1, 2)} |",
-        f"| ratio, run by run | {harness.spread(ratios, 2)} |",
+        "| | episodes/s, mean (lowest to highest) | against staleness 0, run by run | an update's wait for its batch (s) |",
+        "| --- | --- | --- | --- |",
+        f"| `--max_staleness 0` (sample, judge, update in turn) | {harness.spread(eps[0], 2)} | | |",
+    ]
+    for n in args.staleness:
+        wait = statistics.mean(r["wait_s"] for r in runs[n])
+        lines.append(
+            f"| `--max_staleness {n}` (sampled, then judged, in two threads while the policy updates) | "
+            f"{harness.spread(eps[n], 2)} | {harness.spread(ratios[n], 2)}x | {wait:.1f} |"
+        )
+    lines += [
         "",
         f"In the synchronous run an update took {seconds_per_update:.1f} s, of which {judged:.1f} s "
-        f"({100 * judged / seconds_per_update:.0f}%) was the judge's waiting. At staleness 1 an update waited "
-        f"{wait1:.1f} s for its batch on average (after the first).",
+        f"({100 * judged / seconds_per_update:.0f}%) was the judge's waiting. The wait is the mean after the first update "
+        "(which waits for a whole batch).",
     ]
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
