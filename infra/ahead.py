@@ -4,7 +4,8 @@ policy (or by the vLLM engine, given the copy's weights), then scored in a secon
 next batch, so that a slow judge's waiting overlaps both the update and the sampling.
 
 The order is fixed, not timed: the batch trained on at update u was drawn at update u - N (the first N + 1 at the
-first update) and sampled with the weights the policy had then, version max(0, u - 1 - N) (the updates taken), so that
+first update) and sampled with the weights the policy had then, version max(0, u - 1 - N) (the updates taken; with
+--weight_sync_steps K, the weights of every K-th update only, so drawn and sampled up to K - 1 updates later), so that
 a run is the same however fast either side is, on one process or several, killed and resumed. The copy records its
 logprobs of every token it sampled (the behaviour policy's, the trainer's own function on the copy's weights): the
 scripts weigh each token's loss by the policy of the update's start over them, as they weigh an engine's samples
@@ -127,7 +128,7 @@ class Ahead:
                     self.pending.append((update, version, self.done(batch)))
                     self.planned = update + 1
         weights, version = None, run.update - 1  # the updates the policy has taken
-        while len(self.pending) <= self.n and self.planned <= run.args.num_updates:
+        while self.planned <= run.args.num_updates and self.version(self.planned) <= version:
             if weights is None:  # (cloned now: the update about to run changes the policy in place)
                 named = dict(self.sampler.unwrapped().named_parameters())
                 weights = {name: named[name].detach().clone() for name in self.trained}
@@ -148,6 +149,13 @@ class Ahead:
         batch.stats["async/staleness"] = run.update - 1 - version
         batch.stats["async/wait_s"] = time.perf_counter() - start  # the update's wait for its batch
         return batch
+
+    def version(self, update):
+        """the weights that sample update's batch: the oldest at most n updates older than the update, among those the
+        sampler is given (every --weight_sync_steps k updates; k <= n + 1, so they exist by then): k * ceil((u - 1 - n)
+        / k), from 0"""
+        k = self.run.args.weight_sync_steps
+        return k * -(-max(0, update - 1 - self.n) // k)
 
     def sample(self, prompts, weights, version, keep, completions):
         """In the worker: the batch of prompts sampled with the given weights (with --use_vllm by the engine, given the

@@ -78,6 +78,9 @@ class RolloutArgs(Checked):
     drawn, so that it is N updates old when it is trained on (the first N updates: fewer); the copy's logprobs of its
     tokens (the behaviour policy's) weigh the loss by --vllm_importance_sampling_mode (decoupled PPO;
     docs/algorithms.md). 0: sample, then update, in turn"""
+    weight_sync_steps: int = 1
+    """with --max_staleness: give the sampler the policy's weights every K updates only (TRL's name), each batch sampled
+    with the oldest synced weights that are at most --max_staleness updates older than its update (so K <= N + 1)"""
 
     def __post_init__(self):
         if self.temperature <= 0 or self.response_length < 1 or self.local_rollout_forward_batch_size < 1:
@@ -92,6 +95,11 @@ class RolloutArgs(Checked):
             self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
         if self.max_staleness < 0:
             die(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if not 1 <= self.weight_sync_steps <= self.max_staleness + 1:
+            die(
+                f"--weight_sync_steps must be in [1, --max_staleness + 1 = {self.max_staleness + 1}] (weights synced less "
+                f"often would sample batches older than --max_staleness), got {self.weight_sync_steps}"
+            )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if (high is not None and high <= 0) or (low is not None and low < 0) or None not in (low, high) and low > high:
             die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")

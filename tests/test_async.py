@@ -74,10 +74,15 @@ def naive_logprobs(model, batch, temperature):
     return out
 
 
-def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them(tmp_path, eos_model_dir, tiny_prompts_file):
+@pytest.mark.parametrize("sync, versions", [(1, [0, 0, 0, 1, 2, 3]), (2, [0, 0, 0, 2, 2, 4])])
+def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them(
+    sync, versions, tmp_path, eos_model_dir, tiny_prompts_file
+):
     """rloo.py --max_staleness 2, a checkpoint after every update: batch u was drawn at update u - 2 and records
-    version max(0, u - 3); the weights of that version (the initial model or that checkpoint), given the update's noise,
-    sample its tokens again exactly, and give the logprobs it recorded (the behaviour's). Each update's importance
+    version max(0, u - 3) (with --weight_sync_steps 2, the sampler given every second update's weights: the oldest
+    of those within 2 updates, drawn as they are given); the weights of that version (the initial model or that
+    checkpoint), given the update's noise, sample its tokens again exactly, and give the logprobs it recorded (the
+    behaviour's). Each update's importance
     weights equal a naive loop's: exp of the sum over the completion's tokens of log p_start - log p_version, truncated
     at 3 (rloo.py's sequence_truncate), where p_start is the policy at the update's start (the checkpoint before it)."""
     from transformers import AutoTokenizer
@@ -91,7 +96,7 @@ def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them
     out, record = tmp_path / "out", tmp_path / "record.pt"
     args = common(eos_model_dir, tiny_prompts_file, out)
     args += f" --rloo_k 4 --reward_fn {tmp_path}/reward.py:vowels --total_episodes 96 --learning_rate 3e-3"
-    args += " --max_staleness 2 --checkpoint_every 1 --keep_checkpoints 10"
+    args += f" --max_staleness 2 --weight_sync_steps {sync} --checkpoint_every 1 --keep_checkpoints 10"
     proc = subprocess.run(
         [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, "rloo.py"), *args.split()],
         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RECORD": str(record)}, timeout=600,
@@ -99,9 +104,9 @@ def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them
     check_ok(proc)
     rec = torch.load(record, weights_only=False)
     rows = read_metrics(out)
-    assert [r["async/staleness"] for r in rows] == [0, 1, 2, 2, 2, 2]
+    assert [r["async/staleness"] for r in rows] == [u - 1 - v for u, v in enumerate(versions, start=1)]
     batches = rec["batches"]
-    assert [b.version for b in batches] == [0, 0, 0, 1, 2, 3]
+    assert [b.version for b in batches] == versions
     assert len(rec["draws"]) == 6 and len(rec["weights"]) == 6
     for u, (batch, prompts, (start, weights, kw)) in enumerate(zip(batches, rec["draws"], rec["weights"]), start=1):
         model = weights_of(eos_model_dir, batch.version, out)
@@ -200,6 +205,8 @@ def test_a_slow_judge_scores_while_the_next_batch_samples(run, tmp_path, monkeyp
     [
         ("--max_staleness 1 --dynamic_sampling", "with --dynamic_sampling"),
         ("--max_staleness -1", "--max_staleness must be >= 0"),
+        ("--max_staleness 1 --weight_sync_steps 3", "--weight_sync_steps must be in [1, --max_staleness + 1 = 2]"),
+        ("--weight_sync_steps 2", "--weight_sync_steps must be in [1, --max_staleness + 1 = 1]"),
     ],
 )
 def test_what_cannot_sample_ahead_is_refused_in_one_line(flags, message, run, tmp_path, tiny_model_dir, tiny_prompts_file):
@@ -209,17 +216,21 @@ def test_what_cannot_sample_ahead_is_refused_in_one_line(flags, message, run, tm
     assert not out.exists()
 
 
-def test_kill_then_resume_at_staleness_one(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+@pytest.mark.parametrize("sync", [1, 2])
+def test_kill_then_resume_at_staleness_one(sync, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """grpo.py --max_staleness 1 with an environment's episodes, killed with SIGKILL while it trains and resumed: the
-    uninterrupted run's metrics (the batch in flight at the checkpoint is saved with it)."""
+    uninterrupted run's metrics (the batch in flight at the checkpoint is saved with it); also with the sampler given
+    every second update's weights (--weight_sync_steps 2: batches 0 and 1 update old in turn)."""
     from test_environments import ENVS
 
     (tmp_path / "envs.py").write_text(ENVS)
     args = common(tiny_model_dir, tiny_prompts_file, "{}") + f" --environment {tmp_path}/envs.py:Echo --stop_token None"
     args += " --num_generations 2 --total_episodes 160 --learning_rate 3e-3 --max_staleness 1 --checkpoint_every 1"
+    args += f" --weight_sync_steps {sync}"
     check_ok(run(f"grpo.py {args.format(tmp_path / 'full')}", cwd=tmp_path))
     expected = read_metrics(tmp_path / "full")
-    assert len(expected) == 10 and expected[-1]["async/staleness"] == 1 and "env/turns" in expected[-1]
+    ages = [0] + [1] * 9 if sync == 1 else [0, 1] * 5
+    assert len(expected) == 10 and [r["async/staleness"] for r in expected] == ages and "env/turns" in expected[-1]
 
     cut = tmp_path / "cut"
     cmd = [sys.executable, os.path.join(REPO, "grpo.py"), *args.format(cut).split()]
