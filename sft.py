@@ -17,6 +17,7 @@ With a hub dataset, on GPUs:
         --dataset_name trl-lib/tldr --eval_dataset_name trl-lib/tldr --eval_split validation
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,9 @@ class SFTArgs:
     """learn a prompt-completion row's completion only (TRL's); None: True for prompt-completion data"""
     assistant_only_loss: bool = False
     """learn only the assistant's messages of a conversation (the tools' answers and the user's are context)"""
+    padding_free: bool = False
+    """run each micro-batch as one packed row without its padding (TRL's name): the same loss and gradients, less
+    compute where rows differ in length; for the models whose attention takes a packed row exactly (refused elsewhere)"""
 
 
 @dataclass
@@ -53,17 +57,24 @@ def learnt_tokens(batch):
     return batch.loss_mask[:, 1:] & real[:, 1:] & real[:, :-1]
 
 
-def nll(model, batch):
-    """The negative log-likelihood of each token the loss covers, 0 elsewhere, those tokens, and the logits; all
-    (rows, keep): the last `keep` tokens of the left-padded rows, from the first column any row learns (a prompt's
-    logits are never computed: TL;DR's prompts are 10x their summaries)"""
+def nll(model, batch, padding_free=False):
+    """The negative log-likelihood of each token the loss covers (0 elsewhere), those tokens, and whether the model's
+    most likely token was each; all (rows, keep): the last `keep` tokens of the left-padded rows, from the first column
+    any row learns (a prompt's logits are never computed: TL;DR's prompts are 10x their summaries)"""
     learnt = learnt_tokens(batch)  # (rows, width - 1): token t + 1 is learnt
     keep = learnt.shape[1] - int(learnt.any(0).float().argmax())
+    targets, mask = batch.input_ids[:, -keep:], learnt[:, -keep:]
+    if padding_free:  # the logits of the positions that predict a learnt token, from one packed row: (learnt, vocab)
+        wanted = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+        wanted[:, -keep - 1 : -1] = mask
+        logits = utils.forward_packed(model, batch.input_ids, batch.attention_mask, wanted)
+        logprobs = utils.logprobs_from_logits(logits[None], targets[mask][None])[0]
+        losses = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, -logprobs)  # back to (rows, keep)
+        return losses, mask, torch.zeros_like(mask).masked_scatter(mask, logits.argmax(-1) == targets[mask])
     # position t predicts token t + 1: the logits of the last keep + 1 positions, less the last
     logits = utils.forward(model, batch.input_ids, batch.attention_mask, logits_to_keep=keep + 1).logits[:, :-1]
-    logprobs = utils.logprobs_from_logits(logits, batch.input_ids[:, -keep:])
-    mask = learnt[:, -keep:]
-    return -logprobs.masked_fill(~mask, 0.0), mask, logits
+    logprobs = utils.logprobs_from_logits(logits, targets)
+    return -logprobs.masked_fill(~mask, 0.0), mask, (logits.argmax(-1) == targets) & mask
 
 
 def main(args):
@@ -73,6 +84,8 @@ def main(args):
         run, completion_only_loss=args.completion_only_loss, assistant_only_loss=args.assistant_only_loss
     )
     model, _ = infra.load_model(run)
+    if args.padding_free and not utils.can_pack(model.config, args.max_length or math.inf):
+        utils.die(f"--padding_free: this {model.config.model_type} model's attention cannot run a packed row exactly")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer, _ = infra.prepare(run, model, optimizer)
@@ -83,8 +96,7 @@ def main(args):
         totals = torch.zeros(3, device=run.device)
         for batch in data.held_out():
             with accelerator.autocast():
-                losses, mask, logits = nll(model, batch)
-            right = (logits.argmax(-1) == batch.input_ids[:, -mask.shape[1] :]) & mask
+                losses, mask, right = nll(model, batch, args.padding_free)
             totals += torch.stack([losses.sum(), right.sum(), mask.sum()]).float()
         if data.held_out_rows is None:
             return None
@@ -104,7 +116,7 @@ def main(args):
             tokens = run.reduce_sum(sum(learnt_tokens(b).sum() for b in mini_batch))
             for batch in mini_batch:
                 with accelerator.accumulate(model):
-                    losses, mask, logits = nll(model, batch)
+                    losses, mask, right = nll(model, batch, args.padding_free)
                     loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size
                     run.check_finite(loss)
                     accelerator.backward(loss)
@@ -113,7 +125,6 @@ def main(args):
                     optimizer.zero_grad()
                     run.after_step(model)  # --ema_beta
 
-                    right = logits.detach().argmax(-1) == batch.input_ids[:, -mask.shape[1] :]
                     stats.add_tokens(mask, **{"loss/sft": losses, "train/mean_token_accuracy": right})
                     stats.add(**{"train/num_tokens": mask.sum()})
         model.eval()

@@ -169,6 +169,44 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     return values.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
 
 
+def forward_packed(model, input_ids, attention_mask, wanted):
+    """forward()'s logits at the columns `wanted` marks ((rows, width) bools, taken row by row), for padded rows run
+    without their padding (TRL's padding_free), packed into as few rows of the longest row's length as hold them
+    (first fit, longest first; each row's tokens at the positions they have alone, placed from a packed row's end, so
+    that a row alone in one is laid out as with left padding), under an attention mask that lets a token see its own
+    row's up to itself. Never more columns than the padded rows: fewer where their lengths differ. The same values and
+    gradients as forward() (tested) for every model can_pack() takes at the rows' length. Returns (wanted, vocab)."""
+    real = attention_mask.bool()
+    lengths = real.sum(1).tolist()
+    width, room, spans = max(lengths), [], {}  # spans: row -> (packed row, first column)
+    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        b = next((b for b, left in enumerate(room) if left >= lengths[r]), len(room))
+        room += [width] if b == len(room) else []
+        room[b] -= lengths[r]
+        spans[r] = (b, room[b])
+    device = input_ids.device
+    ids = torch.zeros(len(room), width, dtype=input_ids.dtype, device=device)
+    places, part = torch.zeros_like(ids), torch.full_like(ids, -1)  # part: each column's row (-1: padding)
+    for r, (b, start) in spans.items():
+        columns = slice(start, start + lengths[r])
+        ids[b, columns], part[b, columns] = input_ids[r][real[r]], r
+        places[b, columns] = torch.arange(lengths[r], device=device)
+    col = torch.arange(width, device=device)
+    sees = (part[:, None, :] == part[:, :, None]) & (col[None, None, :] <= col[None, :, None]) & (part[:, None, :] >= 0)
+    sees |= torch.eye(width, dtype=torch.bool, device=device) & ~sees.any(-1, keepdim=True)  # (a padding column: itself)
+    attention = sees[:, None]  # (packed rows, 1, width, width)
+    if getattr(model, "module", model).config._attn_implementation == "eager":  # (adds the mask to the scores)
+        attention = torch.zeros(attention.shape, device=device).masked_fill(~attention, torch.finfo(torch.float32).min)
+    # each wanted column's packed row and column, row by row; the logits of the columns any packed row wants
+    rows, cols = wanted.nonzero(as_tuple=True)
+    index = real.long().cumsum(1) - 1  # a real token's place among its row's
+    where = torch.tensor([spans[r] for r in range(len(lengths))], device=device)[rows]  # (wanted, 2)
+    packed_cols = where[:, 1] + index[rows, cols]
+    keep, slot = packed_cols.unique(return_inverse=True)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
+    return logits[where[:, 0], slot]
+
+
 def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, context=None, reduce=None):
     """Multi-turn episodes, token in and token out: a row's episode is the tokens the policy sampled, turn after turn,
     and each observation's tokens as they come (never re-rendered from text). Turn t: sample(rows, their prompts +

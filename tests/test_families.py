@@ -245,6 +245,42 @@ def test_forward_grouped_equals_every_row_alone(name, attn):
     assert shapes[0] == ((2, context - 1 + k * (width + 1)) if packs else tuple(seqs.shape))
 
 
+@pytest.mark.parametrize("name, attn", CASES)
+def test_forward_packed_equals_every_row(name, attn):
+    """Rows with padding (left and right) run packed without it (sft.py --padding_free): at the wanted
+    columns, the logits of the rows run with forward(), and the gradients of their targets' logprobs, for every family
+    can_pack() takes at the rows' length; a family it refuses would mix the rows (a window, ALiBi, a state)."""
+    model = build(name, attn)
+    queries, qmask, responses, rmask, _ = batch()
+    seqs, mask = torch.cat([queries, responses], 1), torch.cat([qmask, rmask], 1)
+    if not utils.can_pack(model.config, seqs.shape[1]):
+        assert FAMILIES[name][1] is not True, name  # (packs at a longer row: at this one too)
+        return
+    wanted = mask.bool().clone()
+    wanted[:, -1] = False  # the positions that predict a next real token
+    wanted[:, :-1] &= mask[:, 1:].bool()
+    targets = seqs[:, 1:][wanted[:, :-1]]
+    results, shapes = [], []
+    for packed in (True, False):
+        model.zero_grad()
+        if packed:
+            hook = model.register_forward_pre_hook(lambda _, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+            logits = utils.forward_packed(model, seqs, mask, wanted)
+            hook.remove()
+        else:
+            logits = utils.forward(model, seqs, mask).logits[wanted]
+        utils.logprobs_from_logits(logits[None], targets[None]).sum().backward()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+        results.append((logits.detach(), grads))
+    (packed, packed_grads), (full, full_grads) = results
+    assert packed.shape == (int(wanted.sum()), VOCAB)
+    assert shapes == [(5, 11)]  # rows of 11, 9, 9, 7, 6 and 4 tokens, first fit into rows of 11: 7 + 4 share one
+    torch.testing.assert_close(packed, full, atol=1e-5, rtol=1e-5)
+    scale = max(g.abs().max() for g in full_grads)
+    for a, b in zip(packed_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name, attn", SUPPORTED)
 def test_generate_equals_a_greedy_full_forward(name, attn):
     """generate() at temperature 0, with its KV cache, with each prompt run once for its 3 rows or not: the tokens

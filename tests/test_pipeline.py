@@ -249,18 +249,39 @@ def test_each_script_learns_its_task(script, extra, key, better, run, tmp_path, 
 
 def test_the_sft_loss_is_the_mean_over_every_learnt_token_of_the_batch(run, tmp_path, tiny_model_dir, data):
     """Micro-batches of unequal token counts: 2 x 4 examples accumulated take the step that one micro-batch of 8 takes
-    (a mean per micro-batch would weigh their tokens differently)."""
+    (a mean per micro-batch would weigh their tokens differently), and so does 2 x 4 run without padding, each
+    micro-batch one packed row (--padding_free)."""
     outs = []
-    for micro, accumulate in [(8, 1), (4, 2)]:
-        out = tmp_path / f"m{micro}"
+    for micro, accumulate, extra in [(8, 1, ""), (4, 2, ""), (4, 2, " --padding_free")]:
+        out = tmp_path / f"m{micro}{extra.strip()}"
         args = small("sft.py", tiny_model_dir, data, out, "--total_episodes 16 --learning_rate 1e-2 --no_save_model")
         args = args.replace("--eval_dataset_name", "--eval_split test --eval_dataset_name")
         args = args.replace("--per_device_train_batch_size 4 --gradient_accumulation_steps 2", "")
         args += f" --per_device_train_batch_size {micro} --gradient_accumulation_steps {accumulate} --checkpoint_every 2"
-        check_ok(run(args, cwd=tmp_path))
+        check_ok(run(args + extra, cwd=tmp_path))
         outs.append(load_file(out / "checkpoint-0000002" / "model.safetensors"))
-    for name in outs[0]:
-        torch.testing.assert_close(outs[1][name], outs[0][name], rtol=1e-4, atol=1e-6)
+    for other in outs[1:]:
+        for name in outs[0]:
+            torch.testing.assert_close(other[name], outs[0][name], rtol=1e-4, atol=1e-6)
+
+
+def test_padding_free_is_refused_in_one_line_where_a_packed_row_is_not_exact(run, tmp_path, tiny_tokenizer_dir, data):
+    """A Mistral whose sliding window (8) is shorter than the rows may be (--max_length 64): a packed row would let a
+    token see past its window, so --padding_free stops before any work."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)  # fmt: skip
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    tok.save_pretrained(tmp_path / "mistral")
+    out = tmp_path / "out"
+    proc = run(small("sft.py", tmp_path / "mistral", data, out, "--padding_free --max_length 64"), cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --padding_free: this mistral model's attention cannot run a packed row exactly"
+    )
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
@@ -434,9 +455,10 @@ def test_the_reward_offset_is_the_mean_score_of_the_reference_completions(run, t
     assert read_metrics(out)[-1]["reward/offset"] == pytest.approx(model.config.reward_input["offset"], rel=1e-6)
 
 
-def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(tiny_model_dir, data):
-    """sft.nll on a left-padded micro-batch (the logits of the learnt columns only) against each row run alone, its
-    completion tokens' negative log-probabilities summed in a loop"""
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(padding_free, tiny_model_dir, data):
+    """sft.nll on a left-padded micro-batch (the logits of the learnt columns only; or its rows packed into one without
+    their padding) against each row run alone, its completion tokens' negative log-probabilities summed in a loop"""
     from transformers import AutoModelForCausalLM
 
     import sft
@@ -452,7 +474,7 @@ def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(tiny_mo
     batch = offline.Examples(run, rows, None, pairs=False).collate(list(range(10)))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
-        losses, mask, _ = sft.nll(model, batch)
+        losses, mask, _ = sft.nll(model, batch, padding_free)
         for i, row in enumerate(rows):
             logprobs = model(torch.tensor([row["ids"]])).logits[0].log_softmax(-1)
             learnt = [t for t in range(1, len(row["ids"])) if row["mask"][t]]

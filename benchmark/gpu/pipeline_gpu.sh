@@ -24,6 +24,8 @@ P="--eval_dataset_name data/preferences_test.jsonl"
 step sft $PY sft.py $M --chat_template examples/environments/chatml_tools.jinja --assistant_only_loss --output_dir $W/sft
 step sft_bf16 $PY sft.py $M --chat_template examples/environments/chatml_tools.jinja --bf16 --no_save_model \
   --output_dir $W/sft_bf16
+step sft_padding_free $PY sft.py $M --chat_template examples/environments/chatml_tools.jinja --bf16 --padding_free \
+  --no_save_model --output_dir $W/sft_padding_free
 step reward $PY reward.py $M $P --output_dir $W/reward
 step reward_bf16 $PY reward.py $M $P --bf16 --no_save_model --output_dir $W/reward_bf16
 step dpo $PY dpo.py $M $P --no_save_model --output_dir $W/dpo
