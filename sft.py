@@ -37,7 +37,7 @@ class SFTArgs:
     assistant_only_loss: bool = False
     """learn only the assistant's messages of a conversation (the tools' answers and the user's are context)"""
     padding_free: bool = False
-    """run each micro-batch as one packed row without its padding (TRL's name): the same loss and gradients, less
+    """run each micro-batch without its padding, packed into rows (TRL's name): the same loss and gradients, less
     compute where rows differ in length; for the models whose attention takes a packed row exactly (refused elsewhere)"""
 
 
@@ -64,7 +64,7 @@ def nll(model, batch, padding_free=False):
     learnt = learnt_tokens(batch)  # (rows, width - 1): token t + 1 is learnt
     keep = learnt.shape[1] - int(learnt.any(0).float().argmax())
     targets, mask = batch.input_ids[:, -keep:], learnt[:, -keep:]
-    if padding_free:  # the logits of the positions that predict a learnt token, from one packed row: (learnt, vocab)
+    if padding_free:  # the logits of the positions that predict a learnt token, from packed rows: (learnt, vocab)
         wanted = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
         wanted[:, -keep - 1 : -1] = mask
         logits = utils.forward_packed(model, batch.input_ids, batch.attention_mask, wanted)

@@ -174,8 +174,9 @@ def forward_packed(model, input_ids, attention_mask, wanted):
     without their padding (TRL's padding_free), packed into as few rows of the longest row's length as hold them
     (first fit, longest first; each row's tokens at the positions they have alone, placed from a packed row's end, so
     that a row alone in one is laid out as with left padding), under an attention mask that lets a token see its own
-    row's up to itself. Never more columns than the padded rows: fewer where their lengths differ. The same values and
-    gradients as forward() (tested) for every model can_pack() takes at the rows' length. Returns (wanted, vocab)."""
+    row's up to itself. Never more columns than the padded rows (fewer where their lengths differ), and the logits of
+    the wanted columns only. The same values and gradients as forward() (tested) for every model can_pack() takes at
+    the rows' length. Returns (wanted, vocab)."""
     real = attention_mask.bool()
     lengths = real.sum(1).tolist()
     width, room, spans = max(lengths), [], {}  # spans: row -> (packed row, first column)
@@ -197,14 +198,17 @@ def forward_packed(model, input_ids, attention_mask, wanted):
     attention = sees[:, None]  # (packed rows, 1, width, width)
     if getattr(model, "module", model).config._attn_implementation == "eager":  # (adds the mask to the scores)
         attention = torch.zeros(attention.shape, device=device).masked_fill(~attention, torch.finfo(torch.float32).min)
-    # each wanted column's packed row and column, row by row; the logits of the columns any packed row wants
+    # each wanted column's packed row and column, taken row by row; the model's logits of exactly those, in the packed
+    # rows' order (a boolean logits_to_keep), put back in the wanted order
     rows, cols = wanted.nonzero(as_tuple=True)
     index = real.long().cumsum(1) - 1  # a real token's place among its row's
     where = torch.tensor([spans[r] for r in range(len(lengths))], device=device)[rows]  # (wanted, 2)
     packed_cols = where[:, 1] + index[rows, cols]
-    keep, slot = packed_cols.unique(return_inverse=True)
+    keep = torch.zeros_like(part, dtype=torch.bool)
+    keep[where[:, 0], packed_cols] = True
     logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
-    return logits[where[:, 0], slot]
+    places_in_order = where[:, 0] * width + packed_cols
+    return logits[torch.searchsorted(places_in_order.sort().values, places_in_order)]  # (wanted, vocab)
 
 
 def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, context=None, reduce=None):

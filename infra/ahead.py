@@ -184,7 +184,7 @@ class Ahead:
             return rollout_logprobs(worker.model, batch, args.temperature)
 
     def settle(self):
-        """Wait until every batch in flight is sampled (the evaluation shares the sampler's environment and reward
+        """Wait until every batch in flight is sampled and scored (the evaluation shares the sampler's environment and reward
         models), and return them: (update, weights version, Batch), oldest first."""
         return [(update, version, job.result()) for update, version, job in self.pending]
 

@@ -264,9 +264,13 @@ def test_forward_packed_equals_every_row(name, attn):
     for packed in (True, False):
         model.zero_grad()
         if packed:
-            hook = model.register_forward_pre_hook(lambda _, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+            hooks = [
+                model.register_forward_pre_hook(lambda _, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True),
+                model.get_output_embeddings().register_forward_pre_hook(lambda _, a: shapes.append(a[0].shape[:-1])),
+            ]
             logits = utils.forward_packed(model, seqs, mask, wanted)
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         else:
             logits = utils.forward(model, seqs, mask).logits[wanted]
         utils.logprobs_from_logits(logits[None], targets[None]).sum().backward()
@@ -274,7 +278,8 @@ def test_forward_packed_equals_every_row(name, attn):
         results.append((logits.detach(), grads))
     (packed, packed_grads), (full, full_grads) = results
     assert packed.shape == (int(wanted.sum()), VOCAB)
-    assert shapes == [(5, 11)]  # rows of 11, 9, 9, 7, 6 and 4 tokens, first fit into rows of 11: 7 + 4 share one
+    # rows of 11, 9, 9, 7, 6 and 4 tokens, first fit into rows of 11 (7 + 4 share one); the output layer on the wanted only
+    assert shapes == [(5, 11), (int(wanted.sum()),)]
     torch.testing.assert_close(packed, full, atol=1e-5, rtol=1e-5)
     scale = max(g.abs().max() for g in full_grads)
     for a, b in zip(packed_grads, full_grads):

@@ -250,7 +250,7 @@ def test_each_script_learns_its_task(script, extra, key, better, run, tmp_path, 
 def test_the_sft_loss_is_the_mean_over_every_learnt_token_of_the_batch(run, tmp_path, tiny_model_dir, data):
     """Micro-batches of unequal token counts: 2 x 4 examples accumulated take the step that one micro-batch of 8 takes
     (a mean per micro-batch would weigh their tokens differently), and so does 2 x 4 run without padding, each
-    micro-batch one packed row (--padding_free)."""
+    micro-batch packed into rows (--padding_free)."""
     outs = []
     for micro, accumulate, extra in [(8, 1, ""), (4, 2, ""), (4, 2, " --padding_free")]:
         out = tmp_path / f"m{micro}{extra.strip()}"
@@ -457,7 +457,7 @@ def test_the_reward_offset_is_the_mean_score_of_the_reference_completions(run, t
 
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(padding_free, tiny_model_dir, data):
-    """sft.nll on a left-padded micro-batch (the logits of the learnt columns only; or its rows packed into one without
+    """sft.nll on a left-padded micro-batch (the logits of the learnt columns only; or its rows packed into rows without
     their padding) against each row run alone, its completion tokens' negative log-probabilities summed in a loop"""
     from transformers import AutoModelForCausalLM
 
