@@ -76,9 +76,8 @@ class RolloutArgs(Checked):
     """sample ahead (TRL's name): with N >= 1 the prompts of the next N updates are drawn now and sampled and scored on
     a copy of the policy in threads of their own while this process updates, each batch with the weights of when it was
     drawn, so that it is N updates old when it is trained on (the first N updates: fewer; with --weight_sync_steps K,
-    N - K + 1 to N); the copy's logprobs of its
-    tokens (the behaviour policy's) weigh the loss by --vllm_importance_sampling_mode (decoupled PPO;
-    docs/algorithms.md). 0: sample, then update, in turn"""
+    N - K + 1 to N); the copy's logprobs of its tokens (the behaviour policy's) weigh the loss by
+    --vllm_importance_sampling_mode (decoupled PPO; docs/algorithms.md). 0: sample, then update, in turn"""
     weight_sync_steps: int = 1
     """with --max_staleness: give the sampler the policy's weights every K updates only (TRL's name), each batch sampled
     with the oldest synced weights that are at most --max_staleness updates older than its update (so K <= N + 1)"""

@@ -111,6 +111,11 @@ if __name__ == "__main__":
                 statistics.mean(r.get("dynamic_sampling/rounds", 1) for r in rows) for rows in train.values()
             ],
             "train_accuracy_last4": [statistics.mean(r["objective/scores"] for r in rows[-4:]) for rows in train.values()],
+            # sampled ahead and corrected: |log pi_old - log mu| per token, and the share of weights truncated (0: none)
+            "behaviour_logprob_diff": [
+                statistics.mean(r.get("vllm/logprob_diff_mean", 0) for r in rows) for rows in train.values()
+            ],
+            "truncated": [statistics.mean(r.get("vllm/capped_fraction", 0) for r in rows) for rows in train.values()],
         }
     setting = {"seeds": args.seeds, "updates": args.updates, "completions_per_update": K * PROMPTS,
                "eval_every": args.eval_every, "variants": VARIANTS}  # fmt: skip
@@ -124,6 +129,8 @@ if __name__ == "__main__":
         ("held-out pass@1 at the end", "pass1_after", 3),
         ("held-out pass@1, mean of the evaluations after the first", "pass1_mean_after_start", 3),
         ("training accuracy, last 4 updates", "train_accuracy_last4", 3),
+        ("mean \\|log pi_old - log mu\\| per token (sampled ahead)", "behaviour_logprob_diff", 4),
+        ("importance weights truncated (sampled ahead)", "truncated", 4),
         ("episodes/s", "episodes_per_s", 2),
         ("generation rounds per update", "rounds_per_update", 2),
     ]:
