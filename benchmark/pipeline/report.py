@@ -52,21 +52,30 @@ def rlhf():
         f"reward.py (2 epochs of 256 pairs): held-out accuracy {rm_evals[0]['eval/accuracy']:.3f} before training,"
         f" {rm_evals[-1]['eval/accuracy']:.3f} after; margin {rm_evals[-1]['eval/margin']:.3f}.",
         "",
-        "| run | seeds | true score before | true score after | learnt reward after (its own score) |",
-        "| --- | --- | --- | --- | --- |",
     ]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    rl = {name: runs(folder, name) for name in ("rloo_rm", "rloo_true")}
+    keys = {"rloo_rm": "eval/rewards/sentiment", "rloo_true": "eval/scores"}  # (the true score alone: eval/scores)
+    # the furthest evaluation every RL run reached (a run cut short is compared there too)
+    common = min((evals(rows, keys[n])[-1]["episode"] for n, got in rl.items() for rows in got.values()), default=0)
+    lines += [
+        f"| run | seeds | true score before | true score at episode {common} | true score at the end"
+        " | learnt reward at the end (its own score) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, label in [("rloo_rm", "rloo.py on reward.py's model"), ("rloo_true", "rloo.py on the true score")]:
-        got = runs(folder, name)
+        got, key = rl[name], keys[name]
         if not got:
             continue
-        key = "eval/rewards/sentiment" if name == "rloo_rm" else "eval/scores"  # (the true score alone: eval/scores)
         before = [evals(rows, key)[0][key] for rows in got.values()]
+        at = [next(r[key] for r in evals(rows, key) if r["episode"] == common) for rows in got.values()]
         after = [evals(rows, key)[-1][key] for rows in got.values()]
         learnt = [evals(rows, key)[-1].get("eval/rewards/rm", float("nan")) for rows in got.values()]
         own = cell(learnt) if name == "rloo_rm" else ""
         done = max(r["episode"] for rows in got.values() for r in rows)
-        lines.append(f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} (episode {done}) | {own} |")
+        lines.append(
+            f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(at)} | {cell(after)} (episode {done}) | {own} |"
+        )
         train = [[r["rewards/sentiment/mean"] for r in rows if "rewards/sentiment/mean" in r] for rows in got.values()]
         width = min(map(len, train))
         episodes = [r["episode"] for r in next(iter(got.values())) if "rewards/sentiment/mean" in r][:width]
@@ -78,7 +87,7 @@ def rlhf():
     dpo = runs(folder, "dpo_eval")
     if dpo:  # (the sentiment its one source: eval/scores)
         after = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in dpo.values()]
-        lines.append(f"| dpo.py on the same pairs (1 epoch) | {' '.join(map(str, dpo))} | (as above) | {cell(after)} | |")
+        lines.append(f"| dpo.py on the same pairs (1 epoch) | {' '.join(map(str, dpo))} | (as above) | | {cell(after)} | |")
     dpo_runs = runs(folder, "dpo")
     if dpo_runs:
         margins = [evals(rows, "eval/rewards/margins")[-1]["eval/rewards/margins"] for rows in dpo_runs.values()]
