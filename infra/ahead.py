@@ -44,9 +44,12 @@ class Ahead:
         self.trained = [name for name, p in policy.named_parameters() if p.requires_grad]  # (LoRA: the adapters)
         self.worker = copy.copy(sampler)
         # its own tokenizer: the training thread decodes the logged samples, and a fast tokenizer that changes its
-        # truncation while another thread reads it raises (the reward models' and the environment's are the worker's)
+        # truncation while another thread reads it raises (the reward models' are the worker's; so is the environment,
+        # which the evaluation uses only once the worker is idle: it takes the worker's tokenizer)
         self.worker.run = copy.copy(self.run)
         self.worker.run.tokenizer = copy.deepcopy(self.run.tokenizer)
+        if self.run.env is not None:
+            self.run.env.tokenizer = self.worker.run.tokenizer
         shared = {id(p): p for p in policy.parameters() if not p.requires_grad}  # (LoRA's frozen base: read, not copied)
         self.worker.model = copy.deepcopy(policy, shared).eval().requires_grad_(False)
         self.worker.decode = GraphDecoder() if isinstance(sampler.decode, GraphDecoder) else sampler.decode  # its own graphs
