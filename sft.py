@@ -67,7 +67,7 @@ def nll(model, batch, padding_free=False):
     if padding_free:  # the logits of the positions that predict a learnt token, from packed rows: (learnt, vocab)
         wanted = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
         wanted[:, -keep - 1 : -1] = mask
-        logits = utils.forward_packed(model, batch.input_ids, batch.attention_mask, wanted)
+        logits = infra.forward_packed(model, batch.input_ids, batch.attention_mask, wanted)
         logprobs = utils.logprobs_from_logits(logits[None], targets[mask][None])[0]
         losses = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, -logprobs)  # back to (rows, keep)
         return losses, mask, torch.zeros_like(mask).masked_scatter(mask, logits.argmax(-1) == targets[mask])

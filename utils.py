@@ -127,6 +127,16 @@ def can_pack(config, length):
     return all(w >= length for w in windows) and bool(windows or not local)
 
 
+def packed_mask(config, sees):
+    """Packed rows' attention, sees (rows, L, L) bools (which columns each column sees), as the 4D mask the model takes
+    as given (transformers passes it on): booleans for sdpa, added to the scores for eager. A column that would see
+    none (padding, which none sees) sees itself rather than nothing."""
+    sees = sees | torch.eye(sees.shape[-1], dtype=torch.bool, device=sees.device) & ~sees.any(-1, keepdim=True)
+    if config._attn_implementation == "eager":
+        return torch.zeros(sees.shape, device=sees.device).masked_fill(~sees, torch.finfo(torch.float32).min)[:, None]
+    return sees[:, None]
+
+
 def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep, hidden=False):
     """forward()'s logits at the last logits_to_keep positions (at most the response's length + 1), for rows in groups
     of `group` completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length
@@ -152,63 +162,16 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
         torch.cat([x[::group, :start], x[:, start:].reshape(prompts, group * seg)], 1)
         for x in (query_responses, mask.bool(), positions(mask))
     )
-    # a column sees the real columns up to itself of the prompt and of its own segment (-1: the prompt); a left-padding
-    # column, which would see none (and which none sees), sees itself rather than nothing
+    # a column sees the real columns up to itself of the prompt and of its own segment (-1: the prompt)
     part = torch.cat([torch.full((start,), -1), torch.arange(group).repeat_interleave(seg)]).to(ids.device)
     col = torch.arange(len(part), device=ids.device)
     sees = ((part[None, :] == -1) | (part[None, :] == part[:, None])) & (col[None, :] <= col[:, None])  # (L, L)
-    sees = sees & real[:, None, :]  # (prompts, L, L)
-    sees |= torch.eye(len(col), dtype=torch.bool, device=ids.device) & ~sees.any(-1, keepdim=True)
-    attention = sees[:, None]  # (prompts, 1, L, L): transformers passes a 4D mask on as it is; sdpa takes booleans
-    if config._attn_implementation == "eager":  # which adds the mask to the scores
-        attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, torch.finfo(torch.float32).min)
     if not hidden:
         out["logits_to_keep"] = group * seg
+    attention = packed_mask(config, sees & real[:, None, :])  # (prompts, L, L) -> (prompts, 1, L, L)
     result = model(input_ids=ids, attention_mask=attention, position_ids=places, **out)
     values = result.hidden_states[-1][:, start:] if hidden else result.logits
     return values.reshape(rows, seg, -1)[:, seg - logits_to_keep :]  # (prompts, group * seg, vocab) -> (rows, seg, vocab)
-
-
-def forward_packed(model, input_ids, attention_mask, wanted):
-    """forward()'s logits at the columns `wanted` marks ((rows, width) bools, taken row by row), for padded rows run
-    without their padding (TRL's padding_free), packed into as few rows of the longest row's length as hold them
-    (first fit, longest first; each row's tokens at the positions they have alone, placed from a packed row's end, so
-    that a row alone in one is laid out as with left padding), under an attention mask that lets a token see its own
-    row's up to itself. Never more columns than the padded rows (fewer where their lengths differ), and the logits of
-    the wanted columns only. The same values and gradients as forward() (tested) for every model can_pack() takes at
-    the rows' length. Returns (wanted, vocab)."""
-    real = attention_mask.bool()
-    lengths = real.sum(1).tolist()
-    width, room, spans = max(lengths), [], {}  # spans: row -> (packed row, first column)
-    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        b = next((b for b, left in enumerate(room) if left >= lengths[r]), len(room))
-        room += [width] if b == len(room) else []
-        room[b] -= lengths[r]
-        spans[r] = (b, room[b])
-    device = input_ids.device
-    ids = torch.zeros(len(room), width, dtype=input_ids.dtype, device=device)
-    places, part = torch.zeros_like(ids), torch.full_like(ids, -1)  # part: each column's row (-1: padding)
-    for r, (b, start) in spans.items():
-        columns = slice(start, start + lengths[r])
-        ids[b, columns], part[b, columns] = input_ids[r][real[r]], r
-        places[b, columns] = torch.arange(lengths[r], device=device)
-    col = torch.arange(width, device=device)
-    sees = (part[:, None, :] == part[:, :, None]) & (col[None, None, :] <= col[None, :, None]) & (part[:, None, :] >= 0)
-    sees |= torch.eye(width, dtype=torch.bool, device=device) & ~sees.any(-1, keepdim=True)  # (a padding column: itself)
-    attention = sees[:, None]  # (packed rows, 1, width, width)
-    if getattr(model, "module", model).config._attn_implementation == "eager":  # (adds the mask to the scores)
-        attention = torch.zeros(attention.shape, device=device).masked_fill(~attention, torch.finfo(torch.float32).min)
-    # each wanted column's packed row and column, taken row by row; the model's logits of exactly those, in the packed
-    # rows' order (a boolean logits_to_keep), put back in the wanted order
-    rows, cols = wanted.nonzero(as_tuple=True)
-    index = real.long().cumsum(1) - 1  # a real token's place among its row's
-    where = torch.tensor([spans[r] for r in range(len(lengths))], device=device)[rows]  # (wanted, 2)
-    packed_cols = where[:, 1] + index[rows, cols]
-    keep = torch.zeros_like(part, dtype=torch.bool)
-    keep[where[:, 0], packed_cols] = True
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
-    places_in_order = where[:, 0] * width + packed_cols
-    return logits[torch.searchsorted(places_in_order.sort().values, places_in_order)]  # (wanted, vocab)
 
 
 def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, context=None, reduce=None):

@@ -13,7 +13,8 @@
     evaluation    the held-out evaluation
     outputs       output_dir, resume, checkpoints, logs, the model card and the hub
     run           start() and Run: the processes, the batch sizes and each step's plumbing
-    offline       sft.py, reward.py and dpo.py's: their flags, datasets in TRL's formats, batches of examples or pairs
+    offline       sft.py, reward.py and dpo.py's: their flags, datasets in TRL's formats, batches of examples or pairs,
+                  sft.py's packed without padding
     tldr          the TL;DR benchmark's flags, held-out set, evaluation and judge (rloo_tldr.py, ppo_tldr.py)
 
 The libraries made for each job do the work (accelerate, transformers, datasets, TensorBoard, wandb, huggingface_hub,
@@ -24,7 +25,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 from .data import teacher_view
 from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs
 from .models import load_policy, load_policy_and_critic, prepare
-from .offline import ExampleArgs, load_examples, load_model, load_references, save_reward_input
+from .offline import ExampleArgs, forward_packed, load_examples, load_model, load_references, save_reward_input
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
 from .tldr import TldrArgs
@@ -32,5 +33,5 @@ from .tldr import TldrArgs
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs", "ExampleArgs",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
-    "load_examples", "load_model", "load_references", "save_reward_input",
+    "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
 ]  # fmt: skip

@@ -33,6 +33,15 @@ from .data import truncate_response
 from .graphs import GraphDecoder
 
 
+def own(sampler):
+    """a copy of sampler (the same reward sources, environment and policy) whose run is a copy with a tokenizer of its
+    own: a thread's, since a fast tokenizer that changes its truncation while another thread reads it raises"""
+    mine = copy.copy(sampler)
+    mine.run = copy.copy(sampler.run)
+    mine.run.tokenizer = copy.deepcopy(sampler.run.tokenizer)
+    return mine
+
+
 class Ahead:
     """The batches in flight (update, weights version, future) of a Sampler with --max_staleness n, sampled by a copy of
     it (the same reward sources and environment; the run's copy with a tokenizer of its own) on a copy of the policy
@@ -42,29 +51,22 @@ class Ahead:
         self.sampler, self.n, self.run = sampler, n, sampler.run
         policy = sampler.unwrapped()
         self.trained = [name for name, p in policy.named_parameters() if p.requires_grad]  # (LoRA: the adapters)
-        self.worker = copy.copy(sampler)
-        # its own tokenizer: the training thread decodes the logged samples, and a fast tokenizer that changes its
-        # truncation while another thread reads it raises (the reward models' are the worker's; so is the environment,
-        # which the evaluation uses only once the worker is idle: it takes the worker's tokenizer)
-        self.worker.run = copy.copy(self.run)
-        self.worker.run.tokenizer = copy.deepcopy(self.run.tokenizer)
-        if self.run.env is not None:
+        self.worker = own(sampler)
+        if self.run.env is not None:  # the worker drives it (the evaluation only once the worker is idle): its tokenizer
             self.run.env.tokenizer = self.worker.run.tokenizer
         shared = {id(p): p for p in policy.parameters() if not p.requires_grad}  # (LoRA's frozen base: read, not copied)
         self.worker.model = copy.deepcopy(policy, shared).eval().requires_grad_(False)
         self.worker.decode = GraphDecoder() if isinstance(sampler.decode, GraphDecoder) else sampler.decode  # its own graphs
         self.worker.ahead = None
-        # (a new thread's current GPU is the first: the worker takes this process's)
+        # (a new thread's current GPU is the first: the workers take this process's)
         self.gpu = torch.cuda.current_device() if self.run.device.type == "cuda" else None
         self.loaded = 0  # the weights version the copy holds
         self.pending = collections.deque()
         self.planned = None  # the update whose batch is drawn next
         # a second stage, so that a slow judge's waiting overlaps the sampling of the next batch: the sampler leaves the
-        # scores to a scorer thread (with a tokenizer of its own) and goes on; an episode's scores stay with the sampler
-        # (its environments are live objects, which the next batch resets)
-        self.scorer = copy.copy(self.worker)
-        self.scorer.run = copy.copy(self.worker.run)
-        self.scorer.run.tokenizer = copy.deepcopy(self.run.tokenizer)
+        # scores to a scorer thread and goes on; an episode's scores stay with the sampler (its environments are live
+        # objects, which the next batch resets)
+        self.scorer = own(self.worker)
         if self.run.env is None:
             self.worker.score = self.later
         # daemon threads: a run that stops (an error, Ctrl-C) does not wait for the batches still queued
@@ -75,6 +77,8 @@ class Ahead:
     def work(self):
         """The sampler thread: each batch sampled, handed to the scorer, then its behaviour logprobs computed (while the
         scorer scores it). An error (utils.die's SystemExit too) is raised where the batch is waited for."""
+        if self.gpu is not None:
+            torch.cuda.set_device(self.gpu)
         while True:
             future, args = self.jobs.get()
             if not future.set_running_or_notify_cancel():
@@ -165,8 +169,6 @@ class Ahead:
         copy's weights, which reports the behaviour's logprobs as it samples), its scores a function for the scorer
         (episodes: scored)"""
         worker = self.worker
-        if self.gpu is not None:
-            torch.cuda.set_device(self.gpu)
         if version != self.loaded:
             with torch.no_grad():
                 named = dict(worker.model.named_parameters())

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from utils import die, init_value_head
+from utils import die, init_value_head, packed_mask
 
 from .data import Shuffled, read_dataset
 from .flags import TrainArgs
@@ -396,3 +396,42 @@ def save_reward_input(run, model, offset):
     with this rule (infra/rewards.py), which plain transformers does not know of: it gives the score before the offset."""
     config = run.accelerator.unwrap_model(model).config
     config.reward_input = {"rendering": "conversation", "offset": offset}
+
+
+def forward_packed(model, input_ids, attention_mask, wanted):
+    """utils.forward()'s logits at the columns `wanted` marks ((rows, width) bools, taken row by row), for padded rows run
+    without their padding (TRL's padding_free), packed into as few rows of the longest row's length as hold them
+    (first fit, longest first; each row's tokens at the positions they have alone, placed from a packed row's end, so
+    that a row alone in one is laid out as with left padding), under an attention mask that lets a token see its own
+    row's up to itself. Never more columns than the padded rows (fewer where their lengths differ), and the logits of
+    the wanted columns only. The same values and gradients as forward() (tested) for every model utils.can_pack() takes at
+    the rows' length. Returns (wanted, vocab)."""
+    real = attention_mask.bool()
+    lengths = real.sum(1).tolist()
+    width, room, spans = max(lengths), [], {}  # spans: row -> (packed row, first column)
+    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        b = next((b for b, left in enumerate(room) if left >= lengths[r]), len(room))
+        room += [width] if b == len(room) else []
+        room[b] -= lengths[r]
+        spans[r] = (b, room[b])
+    device = input_ids.device
+    ids = torch.zeros(len(room), width, dtype=input_ids.dtype, device=device)
+    places, part = torch.zeros_like(ids), torch.full_like(ids, -1)  # part: each column's row (-1: padding)
+    for r, (b, start) in spans.items():
+        columns = slice(start, start + lengths[r])
+        ids[b, columns], part[b, columns] = input_ids[r][real[r]], r
+        places[b, columns] = torch.arange(lengths[r], device=device)
+    col = torch.arange(width, device=device)
+    sees = (part[:, None, :] == part[:, :, None]) & (col[None, None, :] <= col[None, :, None]) & (part[:, None, :] >= 0)
+    attention = packed_mask(getattr(model, "module", model).config, sees)  # (packed rows, 1, width, width)
+    # each wanted column's packed row and column, taken row by row; the model's logits of exactly those, in the packed
+    # rows' order (a boolean logits_to_keep), put back in the wanted order
+    rows, cols = wanted.nonzero(as_tuple=True)
+    index = real.long().cumsum(1) - 1  # a real token's place among its row's
+    where = torch.tensor([spans[r] for r in range(len(lengths))], device=device)[rows]  # (wanted, 2)
+    packed_cols = where[:, 1] + index[rows, cols]
+    keep = torch.zeros_like(part, dtype=torch.bool)
+    keep[where[:, 0], packed_cols] = True
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
+    places_in_order = where[:, 0] * width + packed_cols
+    return logits[torch.searchsorted(places_in_order.sort().values, places_in_order)]  # (wanted, vocab)

@@ -42,6 +42,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def probe_run(script, args, tmp_path):
+    """script run with args through PROBE; its record (draws, batches, importance weights)"""
+    (tmp_path / "probe.py").write_text(PROBE)
+    record = tmp_path / "record.pt"
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, script), *args.split()],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RECORD": str(record)}, timeout=600,
+    )  # fmt: skip
+    check_ok(proc)
+    return torch.load(record, weights_only=False)
+
+
 def common(model, prompts, out):
     return (
         f"--model_name_or_path {model} --dataset_name {prompts} --output_dir {out} --per_device_train_batch_size 8"
@@ -92,17 +104,11 @@ def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them
     tokenizer = AutoTokenizer.from_pretrained(eos_model_dir)
 
     (tmp_path / "reward.py").write_text(VOWELS)
-    (tmp_path / "probe.py").write_text(PROBE)
-    out, record = tmp_path / "out", tmp_path / "record.pt"
+    out = tmp_path / "out"
     args = common(eos_model_dir, tiny_prompts_file, out)
     args += f" --rloo_k 4 --reward_fn {tmp_path}/reward.py:vowels --total_episodes 96 --learning_rate 3e-3"
     args += f" --max_staleness 2 --weight_sync_steps {sync} --checkpoint_every 1 --keep_checkpoints 10"
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, "rloo.py"), *args.split()],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RECORD": str(record)}, timeout=600,
-    )  # fmt: skip
-    check_ok(proc)
-    rec = torch.load(record, weights_only=False)
+    rec = probe_run("rloo.py", args, tmp_path)
     rows = read_metrics(out)
     assert [r["async/staleness"] for r in rows] == [u - 1 - v for u, v in enumerate(versions, start=1)]
     batches = rec["batches"]
@@ -284,18 +290,6 @@ def test_ppo_and_distill_sample_ahead(run, tmp_path, tiny_model_dir, tiny_prompt
     for update, on_policy in enumerate(picked, start=1):
         texts = [(c["prompt"], c["completion"]) for c in logged if c["update"] == update]
         assert len(texts) == 16 and all((c.strip() == dataset[p].strip()) != bool(on_policy) for p, c in texts), update
-
-
-def probe_run(script, args, tmp_path):
-    """script run with args through PROBE; its record (draws, batches, importance weights)"""
-    (tmp_path / "probe.py").write_text(PROBE)
-    record = tmp_path / "record.pt"
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "probe.py"), os.path.join(REPO, script), *args.split()],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "RECORD": str(record)}, timeout=600,
-    )  # fmt: skip
-    check_ok(proc)
-    return torch.load(record, weights_only=False)
 
 
 @needs_vllm

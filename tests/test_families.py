@@ -268,7 +268,7 @@ def test_forward_packed_equals_every_row(name, attn):
                 model.register_forward_pre_hook(lambda _, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True),
                 model.get_output_embeddings().register_forward_pre_hook(lambda _, a: shapes.append(a[0].shape[:-1])),
             ]
-            logits = utils.forward_packed(model, seqs, mask, wanted)
+            logits = infra.forward_packed(model, seqs, mask, wanted)
             for hook in hooks:
                 hook.remove()
         else:

@@ -1,6 +1,6 @@
 """sft.py's --padding_free against padded micro-batches: one forward and backward pass of SmolLM2-135M-Instruct (fp32,
 the CPU) over a micro-batch of 8 rows, padded (sft.nll's default: left padding, the logits of the last 41 columns) or
-packed without padding (utils.forward_packed: first fit into rows of the longest row's length), the logits of the last
+packed without padding (infra.offline.forward_packed: first fit into rows of the longest row's length), the logits of the last
 40 tokens of each row either way. Row lengths are drawn uniformly from each case's range (token ids at random: the time
 does not depend on them), with --seed; each side's time is the fastest of --repeats passes after a warm-up, the sides
 alternating.
@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 import utils  # noqa: E402
 from benchmark import harness  # noqa: E402
+from infra import forward_packed  # noqa: E402
 
 CASES = {  # name -> the range of a row's tokens
     "like the shipped pairs' prompt and completion (45 to 97)": (45, 97),
@@ -56,7 +57,7 @@ if __name__ == "__main__":
 
         def packed():
             model.zero_grad()
-            utils.forward_packed(model, ids, mask, wanted).logsumexp(-1).sum().backward()
+            forward_packed(model, ids, mask, wanted).logsumexp(-1).sum().backward()
 
         slots = []  # the packed rows' columns, seen in a warm-up pass of each side
         hook = model.register_forward_pre_hook(lambda _, a, kw: slots.append(kw["input_ids"].numel()), with_kwargs=True)

