@@ -53,7 +53,7 @@ def rlhf():
         f" {rm_evals[-1]['eval/accuracy']:.3f} after; margin {rm_evals[-1]['eval/margin']:.3f}.",
         "",
     ]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     rl = {name: runs(folder, name) for name in ("rloo_rm", "rloo_true")}
     keys = {"rloo_rm": "eval/rewards/sentiment", "rloo_true": "eval/scores"}  # (the true score alone: eval/scores)
     # the furthest evaluation every RL run reached (a run cut short is compared there too)
@@ -93,6 +93,7 @@ def rlhf():
         margins = [evals(rows, "eval/rewards/margins")[-1]["eval/rewards/margins"] for rows in dpo_runs.values()]
         accuracy = [evals(rows, "eval/rewards/accuracies")[-1]["eval/rewards/accuracies"] for rows in dpo_runs.values()]
         lines += ["", f"dpo.py's held-out implicit-reward accuracy {cell(accuracy)}, margin {cell(margins)}."]
+    lines += ["", *overoptimisation(folder, rl["rloo_rm"], ax[2])]
     ax[0].set(xlabel="episodes", ylabel="true sentiment of the training completions", title="the true score")
     ax[1].set(xlabel="episodes", title="rloo.py on the learnt reward")
     for a in ax:
@@ -104,6 +105,49 @@ def rlhf():
     print("\n".join(lines))
 
 
+def overoptimisation(folder, seeds, ax):
+    """The RM runs' held-out evaluations: the true score against the learnt reward, per evaluation (the seeds' mean
+    and range), and the longer run's; drawn on ax."""
+    lines = [
+        "The learnt reward against the true score on the held-out prompts, at each evaluation of the RM runs:",
+        "",
+        "| run | episode | true score | learnt reward |",
+        "| --- | --- | --- | --- |",
+    ]
+    long = os.path.join(folder, "rloo_rm_long_1", "metrics.jsonl")
+    shown = [(f"rloo_rm, seeds {' '.join(map(str, seeds))}", list(seeds.values()))] if seeds else []
+    shown += [("rloo_rm_long_1 (960 episodes)", [harness.read(long)])] if os.path.exists(long) else []
+    for label, got in shown:
+        points = [evals(rows, "eval/rewards/rm") for rows in got]
+        width = min(map(len, points))
+        for i in range(width):
+            true = [p[i]["eval/rewards/sentiment"] for p in points]
+            learnt = [p[i]["eval/rewards/rm"] for p in points]
+            lines.append(f"| {label} | {points[0][i]['episode']} | {cell(true)} | {cell(learnt)} |")
+        x = [r["episode"] for r in points[0][:width]]
+        true = harness.band(ax, x, [[r["eval/rewards/sentiment"] for r in p[:width]] for p in points], f"{label}: true")
+        harness.band(
+            ax,
+            x,
+            [[r["eval/rewards/rm"] for r in p[:width]] for p in points],
+            f"{label}: learnt",
+            linestyle="--",
+            color=true.get_color(),
+        )
+    ax.set(xlabel="episodes", ylabel="held-out, greedy", title="the learnt reward against the true score")
+    return lines
+
+
+def by_operator(path):
+    """{operator word: pass@1} of an evaluation's samples on the words task"""
+    rows = harness.read(path)
+    found = {}
+    for word in ("plus", "minus", "times"):
+        scores = [r["score"] for r in rows if f" {word} " in r["prompt"]]
+        found[word] = sum(scores) / len(scores)
+    return found
+
+
 def calculator():
     folder = os.path.join(RESULTS, "calculator")
     lines = [
@@ -111,8 +155,9 @@ def calculator():
         "",
         "`bash benchmark/pipeline/calculator.sh`, then `python benchmark/pipeline/report.py`. SmolLM2-135M-Instruct;",
         "sft.py on 256 synthetic calculator traces, then grpo.py with the calculator environment on sums of 3- to",
-        "5-digit numbers. The held-out evaluation: 200 such sums, greedy, before training and every 96 episodes",
-        "(`eval/scores` is pass@1). Each row is one run, named by its folder; the updates it finished are counted.",
+        "5-digit numbers, from the SFT model and from the model without it. The held-out evaluation: 200 such sums, greedy,",
+        "before training and at the end (`eval/scores` is pass@1). Each row is one run, named by its folder; the updates it",
+        "finished are counted.",
         "",
         "| run | updates | evaluations: episode, pass@1 | training: tool calls per episode, accuracy (first, last update) |",
         "| --- | --- | --- | --- |",
@@ -128,12 +173,37 @@ def calculator():
             else ""
         )
         lines.append(f"| {os.path.basename(path)} | {len(train)} | {'; '.join(ev)} | {seen} |")
-    sft = harness.read(os.path.join(folder, "calc_sft", "metrics.jsonl"))
+    lines += ["", "Over the seeds (mean, then the lowest to the highest):", ""]
+    lines += ["| start | seeds | pass@1 before | pass@1 at the end | tool calls per episode (last update) |"]
+    lines += ["| --- | --- | --- | --- | --- |"]
+    for start, label in [("calc_sft", "after sft.py"), ("base", "SmolLM2-135M-Instruct")]:
+        got = runs(folder, f"grpo_{start}")
+        if got:
+            before = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in got.values()]
+            after = [evals(rows, "eval/scores")[-1]["eval/scores"] for rows in got.values()]
+            calls = [[r for r in rows if "env/tool_calls" in r][-1]["env/tool_calls"] for rows in got.values()]
+            lines.append(f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} | {cell(calls, 2)} |")
+    lines.append("")
+    for name in ("calc_sft", "calc_sft_48"):
+        sft = harness.read(os.path.join(folder, name, "metrics.jsonl"))
+        lines.append(
+            f"sft.py on {sft[-1]['episode']} traces ({name}): loss per learnt token {sft[0]['loss/sft']:.3f} at the first"
+            f" update, {sft[-1]['loss/sft']:.5f} at the last; next-token accuracy {sft[-1]['train/mean_token_accuracy']:.3f}."
+        )
     lines += [
         "",
-        f"sft.py: loss per learnt token {sft[0]['loss/sft']:.3f} at the first update, {sft[-1]['loss/sft']:.5f} at the"
-        f" last ({sft[-1]['episode']} traces); next-token accuracy {sft[-1]['train/mean_token_accuracy']:.3f}.",
+        "The harder task, evaluated only: 200 held-out questions with the operator in words",
+        "(data/calculator_words_test.jsonl), greedy pass@1 of each SFT model by operator (the traces show sums only).",
+        "",
+        "| model | pass@1 | plus | minus | times |",
+        "| --- | --- | --- | --- | --- |",
     ]
+    for name in ("calc_sft", "calc_sft_48"):
+        path = os.path.join(folder, f"{name}_words", "eval_samples", "episode_0.jsonl")
+        if os.path.exists(path):
+            rows = harness.read(os.path.join(folder, f"{name}_words", "metrics.jsonl"))
+            ops = by_operator(path)
+            lines.append(f"| {name} | {rows[0]['eval/scores']:.3f} | " + " | ".join(f"{v:.3f}" for v in ops.values()) + " |")
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

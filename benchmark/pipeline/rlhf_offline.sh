@@ -4,7 +4,7 @@
 # from the same pairs. Both against rloo.py on the true score (the VADER sentiment the pairs were labelled with). Every
 # run is evaluated on the 64 held-out prompts by the true score (eval/rewards/sentiment, greedy). The RM runs log the
 # true score beside the learnt one (--reward_fn sentiment with weight 0: it is measured, not trained on).
-#   bash benchmark/pipeline/rlhf_offline.sh            (about 90 minutes on 2 cores)
+#   bash benchmark/pipeline/rlhf_offline.sh            (about 40 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pipeline}
@@ -12,18 +12,28 @@ RES=benchmark/results/pipeline/rlhf_offline
 SEEDS=${SEEDS:-"1 2 3"}
 EVAL="--eval_dataset_name data/preferences_test.jsonl --eval_every 96"
 mkdir -p "$RES"
-keep() { mkdir -p "$RES/$1"; cp "$OUT/$1/metrics.jsonl" "$OUT/$1/args.json" "$RES/$1/"; }
+# run NAME COMMAND...: runs COMMAND with --output_dir $OUT/NAME and keeps its metrics and flags under $RES/NAME; a run
+# whose results are kept is not run again (delete its folder under $RES to redo it)
+run() {
+    local name=$1; shift
+    [ -f "$RES/$name/metrics.jsonl" ] && return
+    "$@" --output_dir "$OUT/$name"
+    mkdir -p "$RES/$name"; cp "$OUT/$name/metrics.jsonl" "$OUT/$name/args.json" "$RES/$name/"
+}
 
-[ -f "$OUT/rm/config.json" ] || python reward.py --num_train_epochs 2 --eval_dataset_name data/preferences_test.jsonl \
-    --output_dir "$OUT/rm"
-keep rm
+[ -f "$OUT/rm/config.json" ] || rm -rf "$RES/rm"
+run rm python reward.py --num_train_epochs 2 --eval_dataset_name data/preferences_test.jsonl
 for seed in $SEEDS; do
-    python rloo.py --seed "$seed" --reward_model_path "$OUT/rm" --reward_fn sentiment --reward_weights 1 0 $EVAL \
-        --output_dir "$OUT/rloo_rm_$seed" --no_save_model && keep "rloo_rm_$seed"
-    python rloo.py --seed "$seed" $EVAL --output_dir "$OUT/rloo_true_$seed" --no_save_model && keep "rloo_true_$seed"
-    python dpo.py --seed "$seed" --num_train_epochs 1 --learning_rate 1e-5 --eval_dataset_name data/preferences_test.jsonl \
-        --output_dir "$OUT/dpo_$seed" && keep "dpo_$seed"
+    run "rloo_rm_$seed" python rloo.py --seed "$seed" --reward_model_path "$OUT/rm" --reward_fn sentiment \
+        --reward_weights 1 0 $EVAL --no_save_model
+    run "rloo_true_$seed" python rloo.py --seed "$seed" $EVAL --no_save_model
+    run "dpo_$seed" python dpo.py --seed "$seed" --num_train_epochs 1 --learning_rate 1e-5 \
+        --eval_dataset_name data/preferences_test.jsonl
     # the DPO model's true score on the held-out prompts: the evaluation an RL run makes before its first update
-    python rloo.py --model_name_or_path "$OUT/dpo_$seed" --seed "$seed" $EVAL --total_episodes 16 \
-        --output_dir "$OUT/dpo_eval_$seed" --no_save_model && keep "dpo_eval_$seed"
+    [ -f "$OUT/dpo_$seed/config.json" ] || rm -rf "$RES/dpo_eval_$seed"
+    run "dpo_eval_$seed" python rloo.py --model_name_or_path "$OUT/dpo_$seed" --seed "$seed" $EVAL --total_episodes 16 \
+        --no_save_model
 done
+# over-optimisation: the learnt reward's run two and a half times as long (its own schedule), seed 1
+run rloo_rm_long_1 python rloo.py --seed 1 --reward_model_path "$OUT/rm" --reward_fn sentiment --reward_weights 1 0 \
+    $EVAL --total_episodes 960 --no_save_model
