@@ -21,16 +21,24 @@ run() {
     mkdir -p "$RES/$name"; cp "$OUT/$name/metrics.jsonl" "$OUT/$name/args.json" "$RES/$name/"
 }
 
-[ -f "$OUT/rm/config.json" ] || rm -rf "$RES/rm"
+# model NAME RUN...: NAME's model is trained again (its kept results dropped) when a RUN that starts from it is not kept
+# and the model is not in $OUT
+model() {
+    local name=$1; shift
+    [ -f "$OUT/$name/config.json" ] && return
+    for r in "$@"; do [ -f "$RES/$r/metrics.jsonl" ] || { rm -rf "${RES:?}/$name"; return; }; done
+}
+
+model rm rloo_rm_long_1 $(for seed in $SEEDS; do echo "rloo_rm_$seed"; done)
 run rm python reward.py --num_train_epochs 2 --eval_dataset_name data/preferences_test.jsonl
 for seed in $SEEDS; do
     run "rloo_rm_$seed" python rloo.py --seed "$seed" --reward_model_path "$OUT/rm" --reward_fn sentiment \
         --reward_weights 1 0 $EVAL --no_save_model
     run "rloo_true_$seed" python rloo.py --seed "$seed" $EVAL --no_save_model
+    model "dpo_$seed" "dpo_eval_$seed"
     run "dpo_$seed" python dpo.py --seed "$seed" --num_train_epochs 1 --learning_rate 1e-5 \
         --eval_dataset_name data/preferences_test.jsonl
     # the DPO model's true score on the held-out prompts: the evaluation an RL run makes before its first update
-    [ -f "$OUT/dpo_$seed/config.json" ] || rm -rf "$RES/dpo_eval_$seed"
     run "dpo_eval_$seed" python rloo.py --model_name_or_path "$OUT/dpo_$seed" --seed "$seed" $EVAL --total_episodes 16 \
         --no_save_model
 done
