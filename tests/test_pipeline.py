@@ -410,6 +410,42 @@ def test_the_calculator_traces_render_as_the_environment_plays_them():
         assert rest[len(turn) + len(observation) :][: len(answer)] == answer
 
 
+def test_the_calculator_tasks_are_what_they_say(tmp_path):
+    """The calculator's files: each question's answer column is its value (sums in data/calculator*.jsonl, "plus",
+    "minus" and "times" a third each in data/calculator_words*.jsonl), no held-out question is a training one or a
+    trace's (a sum in either order), and make_calculator_sft.py rebuilds all five (into a temporary folder)."""
+    import re
+    import subprocess
+    import sys
+
+    names = ["calculator_sft", "calculator", "calculator_test", "calculator_words", "calculator_words_test"]
+    shipped = {n: open(os.path.join(REPO, "data", f"{n}.jsonl")).read() for n in names}
+    value = {"+": lambda a, b: a + b, "plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
+    asked = {}
+    for name, text in shipped.items():
+        asked[name] = []
+        for line in text.splitlines():
+            row = json.loads(line)
+            question = (row["messages"] if "messages" in row else row["prompt"])[0]["content"]
+            a, op, b = re.match(
+                r"What is (\d+) (\+|plus|minus|times) (\d+)\? Answer with the number only\.$", question
+            ).groups()
+            answer = int(row["messages"][3]["content"]) if "messages" in row else row["answer"]
+            assert answer == value[op](int(a), int(b)) and ("words" in name) == (op != "+")
+            pair = (int(a), int(b)) if op == "minus" else tuple(sorted((int(a), int(b))))  # a sum or product in either order
+            asked[name].append((op.replace("plus", "+"), *pair))
+    for test, trained in [
+        ("calculator_test", ["calculator", "calculator_sft"]),
+        ("calculator_words_test", ["calculator_words"]),
+    ]:
+        held = asked[test]
+        assert len(held) == 200 == len(set(held)) and not set(held) & {q for n in trained for q in asked[n]}
+    assert [sum(q[0] == op for q in asked["calculator_words"]) for op in ("+", "minus", "times")] == [334, 333, 333]
+    subprocess.run([sys.executable, os.path.join(REPO, "data", "make_calculator_sft.py"), str(tmp_path)], check=True)
+    for name in names:
+        assert (tmp_path / f"{name}.jsonl").read_text() == shipped[name], name
+
+
 @pytest.mark.parametrize("script", ["rloo_tldr.py", "ppo_tldr.py"])
 def test_a_reward_model_of_reward_py_scores_the_tldr_runs_and_their_evaluation(
     script, run, tmp_path, tldr_dir, tiny_model_dir

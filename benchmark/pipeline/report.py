@@ -162,7 +162,7 @@ def calculator():
         "| run | updates | evaluations: episode, pass@1 | training: tool calls per episode, accuracy (first, last update) |",
         "| --- | --- | --- | --- |",
     ]
-    for path in sorted(glob.glob(os.path.join(folder, "grpo_*"))):
+    for path in sorted(p for p in glob.glob(os.path.join(folder, "grpo_*_[0-9]*")) if "words" not in p):  # (below)
         rows = harness.read(os.path.join(path, "metrics.jsonl"))
         ev = [f"{r['episode']}: {r['eval/scores']:.3f}" for r in evals(rows, "eval/scores")]
         train = [r for r in rows if "env/tool_calls" in r]
@@ -174,17 +174,23 @@ def calculator():
         )
         lines.append(f"| {os.path.basename(path)} | {len(train)} | {'; '.join(ev)} | {seen} |")
     lines += ["", "Over the seeds (mean, then the lowest to the highest):", ""]
-    lines += ["| start | seeds | pass@1 before | pass@1 at the end | tool calls per episode (last update) |"]
-    lines += ["| --- | --- | --- | --- | --- |"]
+    lines += [
+        "| start | seeds | pass@1 before | pass@1 at the end | tool calls per episode (last update)"
+        " | groups without a spread in reward (no gradient), over the updates |"
+    ]
+    lines += ["| --- | --- | --- | --- | --- | --- |"]
     for start, label in [("calc_sft", "after sft.py"), ("base", "SmolLM2-135M-Instruct")]:
         got = runs(folder, f"grpo_{start}")
         if got:
             before = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in got.values()]
             after = [evals(rows, "eval/scores")[-1]["eval/scores"] for rows in got.values()]
             calls = [[r for r in rows if "env/tool_calls" in r][-1]["env/tool_calls"] for rows in got.values()]
-            lines.append(f"| {label} | {' '.join(map(str, got))} | {cell(before)} | {cell(after)} | {cell(calls, 2)} |")
-    lines.append("")
+            flat = [[r["frac_reward_zero_std"] for r in rows if "frac_reward_zero_std" in r] for rows in got.values()]
+            flat = [sum(f) / len(f) for f in flat]
+            seeds = " ".join(map(str, got))
+            lines.append(f"| {label} | {seeds} | {cell(before)} | {cell(after)} | {cell(calls, 2)} | {cell(flat, 2)} |")
     for name in ("calc_sft", "calc_sft_48"):
+        lines.append("")
         sft = harness.read(os.path.join(folder, name, "metrics.jsonl"))
         lines.append(
             f"sft.py on {sft[-1]['episode']} traces ({name}): loss per learnt token {sft[0]['loss/sft']:.3f} at the first"
@@ -192,18 +198,37 @@ def calculator():
         )
     lines += [
         "",
-        "The harder task, evaluated only: 200 held-out questions with the operator in words",
-        "(data/calculator_words_test.jsonl), greedy pass@1 of each SFT model by operator (the traces show sums only).",
+        "The harder task: 200 held-out questions with the operator in words (data/calculator_words_test.jsonl), greedy",
+        "pass@1 by operator of each SFT model (the traces show sums only), and after grpo.py on the task.",
         "",
         "| model | pass@1 | plus | minus | times |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for name in ("calc_sft", "calc_sft_48"):
-        path = os.path.join(folder, f"{name}_words", "eval_samples", "episode_0.jsonl")
-        if os.path.exists(path):
-            rows = harness.read(os.path.join(folder, f"{name}_words", "metrics.jsonl"))
-            ops = by_operator(path)
-            lines.append(f"| {name} | {rows[0]['eval/scores']:.3f} | " + " | ".join(f"{v:.3f}" for v in ops.values()) + " |")
+
+    def row(label, got):  # got: [(run folder, episode)] over seeds
+        paths = [os.path.join(folder, run, "eval_samples", f"episode_{episode}.jsonl") for run, episode in got]
+        if got and all(map(os.path.exists, paths)):
+            ops = [by_operator(path) for path in paths]
+            scores = [sum(r["score"] for r in rows) / len(rows) for rows in map(harness.read, paths)]
+            lines.append(f"| {label} | {cell(scores)} | " + " | ".join(cell([o[w] for o in ops]) for w in ops[0]) + " |")
+
+    row("calc_sft", [("calc_sft_words", 0)])
+    row("calc_sft_48", [("calc_sft_48_words", 0)])
+    words = runs(folder, "grpo_calc_sft_words")
+    ends = {seed: evals(rows, "eval/scores")[-1]["episode"] for seed, rows in words.items()}
+    row(
+        f"calc_sft, then grpo.py on the task for {max(ends.values(), default=0)} episodes (seeds {' '.join(map(str, words))})",
+        [(f"grpo_calc_sft_words_{seed}", end) for seed, end in ends.items()],
+    )
+    if words:
+        train = [[r for r in rows if "frac_reward_zero_std" in r] for rows in words.values()]
+        flat = [sum(r["frac_reward_zero_std"] for r in t) / len(t) for t in train]
+        first, last = [t[0]["rewards/accuracy/mean"] for t in train], [t[-1]["rewards/accuracy/mean"] for t in train]
+        lines += [
+            "",
+            f"grpo.py on the task: {cell(flat, 2)} of its groups had no spread in reward (no gradient), over its updates;"
+            f" the training accuracy {cell(first)} at the first update, {cell(last)} at the last.",
+        ]
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
