@@ -16,22 +16,8 @@ TOOLS="--chat_template examples/environments/chatml_tools.jinja"
 ENV="--environment examples/environments/calculator.py:Calculator $TOOLS --max_turns 3 --response_length 48
     --max_prompt_length 256 --num_generations 4 --num_sample_generations 0 --no_save_model --reward_fn accuracy"
 mkdir -p "$RES"
-# run NAME COMMAND...: runs COMMAND with --output_dir $OUT/NAME and keeps its metrics and flags under $RES/NAME; a run
-# whose results are kept is not run again (delete its folder under $RES to redo it)
-run() {
-    local name=$1; shift
-    [ -f "$RES/$name/metrics.jsonl" ] && return
-    "$@" --output_dir "$OUT/$name"
-    mkdir -p "$RES/$name"; cp "$OUT/$name/metrics.jsonl" "$OUT/$name/args.json" "$RES/$name/"
-    if [ -d "$OUT/$name/eval_samples" ]; then cp -r "$OUT/$name/eval_samples" "$RES/$name/"; fi
-}
-# model NAME RUN...: NAME's model is trained again (its kept results dropped) when a RUN that starts from it is not kept
-# and the model is not in $OUT
-model() {
-    local name=$1; shift
-    [ -f "$OUT/$name/config.json" ] && return
-    for r in "$@"; do [ -f "$RES/$r/metrics.jsonl" ] || { rm -rf "${RES:?}/$name"; return; }; done
-}
+SAMPLES="*words*"
+source benchmark/pipeline/keep.sh
 
 model calc_sft calc_sft_words $(for seed in $SEEDS; do echo "grpo_calc_sft_$seed grpo_calc_sft_words_$seed"; done)
 model calc_sft_48 calc_sft_48_words

@@ -6,6 +6,8 @@ curves.png; the seeds that finished are reported, each named.
 """
 
 import glob
+import gzip
+import json
 import os
 import sys
 
@@ -138,14 +140,22 @@ def overoptimisation(folder, seeds, ax):
     return lines
 
 
-def by_operator(path):
-    """{operator word: pass@1} of an evaluation's samples on the words task"""
-    rows = harness.read(path)
-    found = {}
-    for word in ("plus", "minus", "times"):
-        scores = [r["score"] for r in rows if f" {word} " in r["prompt"]]
-        found[word] = sum(scores) / len(scores)
-    return found
+def samples(path):
+    """the held-out samples an evaluation wrote, as calculator.sh keeps them (gzipped)"""
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def by_operator(rows):
+    """pass@1 of an evaluation's samples on the words task: over all, then for each operator word"""
+    found = {"all": rows}
+    found.update({word: [r for r in rows if f" {word} " in r["prompt"]] for word in ("plus", "minus", "times")})
+    return {key: sum(r["score"] for r in got) / len(got) for key, got in found.items()}
+
+
+def mean_over_updates(rows, key):
+    got = [r[key] for r in rows if key in r]
+    return sum(got) / len(got)
 
 
 def calculator():
@@ -185,8 +195,7 @@ def calculator():
             before = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in got.values()]
             after = [evals(rows, "eval/scores")[-1]["eval/scores"] for rows in got.values()]
             calls = [[r for r in rows if "env/tool_calls" in r][-1]["env/tool_calls"] for rows in got.values()]
-            flat = [[r["frac_reward_zero_std"] for r in rows if "frac_reward_zero_std" in r] for rows in got.values()]
-            flat = [sum(f) / len(f) for f in flat]
+            flat = [mean_over_updates(rows, "frac_reward_zero_std") for rows in got.values()]
             seeds = " ".join(map(str, got))
             lines.append(f"| {label} | {seeds} | {cell(before)} | {cell(after)} | {cell(calls, 2)} | {cell(flat, 2)} |")
     for name in ("calc_sft", "calc_sft_48"):
@@ -206,11 +215,10 @@ def calculator():
     ]
 
     def row(label, got):  # got: [(run folder, episode)] over seeds
-        paths = [os.path.join(folder, run, "eval_samples", f"episode_{episode}.jsonl") for run, episode in got]
+        paths = [os.path.join(folder, run, "eval_samples", f"episode_{episode}.jsonl.gz") for run, episode in got]
         if got and all(map(os.path.exists, paths)):
-            ops = [by_operator(path) for path in paths]
-            scores = [sum(r["score"] for r in rows) / len(rows) for rows in map(harness.read, paths)]
-            lines.append(f"| {label} | {cell(scores)} | " + " | ".join(cell([o[w] for o in ops]) for w in ops[0]) + " |")
+            ops = [by_operator(samples(path)) for path in paths]
+            lines.append(f"| {label} | " + " | ".join(cell([o[key] for o in ops]) for key in ops[0]) + " |")
 
     row("calc_sft", [("calc_sft_words", 0)])
     row("calc_sft_48", [("calc_sft_48_words", 0)])
@@ -221,8 +229,8 @@ def calculator():
         [(f"grpo_calc_sft_words_{seed}", end) for seed, end in ends.items()],
     )
     if words:
-        train = [[r for r in rows if "frac_reward_zero_std" in r] for rows in words.values()]
-        flat = [sum(r["frac_reward_zero_std"] for r in t) / len(t) for t in train]
+        flat = [mean_over_updates(rows, "frac_reward_zero_std") for rows in words.values()]
+        train = [[r for r in rows if "rewards/accuracy/mean" in r] for rows in words.values()]
         first, last = [t[0]["rewards/accuracy/mean"] for t in train], [t[-1]["rewards/accuracy/mean"] for t in train]
         lines += [
             "",

@@ -12,22 +12,7 @@ RES=benchmark/results/pipeline/rlhf_offline
 SEEDS=${SEEDS:-"1 2 3"}
 EVAL="--eval_dataset_name data/preferences_test.jsonl --eval_every 96"
 mkdir -p "$RES"
-# run NAME COMMAND...: runs COMMAND with --output_dir $OUT/NAME and keeps its metrics and flags under $RES/NAME; a run
-# whose results are kept is not run again (delete its folder under $RES to redo it)
-run() {
-    local name=$1; shift
-    [ -f "$RES/$name/metrics.jsonl" ] && return
-    "$@" --output_dir "$OUT/$name"
-    mkdir -p "$RES/$name"; cp "$OUT/$name/metrics.jsonl" "$OUT/$name/args.json" "$RES/$name/"
-}
-
-# model NAME RUN...: NAME's model is trained again (its kept results dropped) when a RUN that starts from it is not kept
-# and the model is not in $OUT
-model() {
-    local name=$1; shift
-    [ -f "$OUT/$name/config.json" ] && return
-    for r in "$@"; do [ -f "$RES/$r/metrics.jsonl" ] || { rm -rf "${RES:?}/$name"; return; }; done
-}
+source benchmark/pipeline/keep.sh
 
 model rm rloo_rm_long_1 $(for seed in $SEEDS; do echo "rloo_rm_$seed"; done)
 run rm python reward.py --num_train_epochs 2 --eval_dataset_name data/preferences_test.jsonl
