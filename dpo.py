@@ -70,7 +70,8 @@ def pair_logprobs(model, batch):
         logits_to_keep=width + 1,
     )[:, :-1]  # (2 * pairs, width, vocab): the logits that predict each completion token
     logprobs = utils.logprobs_from_logits(logits, batch.input_ids[:, batch.context_length :])
-    return logprobs.masked_fill(~batch.completion_mask, 0.0).sum(1).reshape(-1, 2)
+    # TRL's: after an empty prompt the first token is predicted by nothing (its logits read padding), left out
+    return logprobs.masked_fill(~batch.logprob_mask, 0.0).sum(1).reshape(-1, 2)
 
 
 def dpo_loss(logratios, tokens, beta, loss_type, label_smoothing):
@@ -92,9 +93,10 @@ def main(args):
         utils.die("--label_smoothing smooths the sigmoid loss: use it with --loss_type sigmoid")
     if args.precompute_ref_log_probs and args.eval_dataset_name:
         utils.die("--precompute_ref_log_probs frees the reference, which the held-out evaluation needs")
-    run = infra.start(args)  # processes, seeding, batch sizes (--num_train_epochs over the data), output_dir
-    # the tokenizer and every pair rendered and checked (cut to --max_length, as TRL), then the policy and reference
-    data = infra.load_examples(run, pairs=True, truncate=True)
+    # the tokenizer and every pair rendered and checked (cut to --max_length, as TRL), before anything is written
+    rows = infra.read_examples(args, pairs=True, truncate=True)
+    run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
+    data = infra.load_examples(run, rows)  # their batches, each pair's prompt once then its two completions
     policy, ref_policy = infra.load_model(run, reference=True)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
@@ -131,7 +133,7 @@ def main(args):
         for batch in data.held_out():
             with accelerator.autocast():
                 logprobs, ref = pair_logprobs(policy, batch), ref_logprobs(batch)
-            tokens = batch.completion_mask.sum(1).reshape(-1, 2)
+            tokens = batch.lengths.reshape(-1, 2)
             loss = dpo_loss(logprobs - ref, tokens, args.beta, args.loss_type, args.label_smoothing)
             stats.add(**{"loss/dpo": loss.mean(), **metrics(batch, logprobs, ref)})
         if data.held_out_rows is None:
@@ -150,7 +152,7 @@ def main(args):
                 ref = cached[batch.index] if cached is not None else ref_logprobs(batch)
                 with accelerator.accumulate(policy):
                     logprobs = pair_logprobs(policy, batch)  # (pairs, 2)
-                    tokens = batch.completion_mask.sum(1).reshape(-1, 2)
+                    tokens = batch.lengths.reshape(-1, 2)  # (each completion's, its first token included: TRL's IPO)
                     # DPO: the log-ratios to the reference are the implicit rewards (over beta)
                     loss = dpo_loss(logprobs - ref, tokens, args.beta, args.loss_type, args.label_smoothing).mean()
                     run.check_finite(loss)

@@ -134,8 +134,12 @@ def main(args):
         utils.die("--kl_penalty loss needs --kl_estimator k2 or k3 (or abs): k1's gradient is zero in expectation")
     if args.kl_penalty == "loss" and kl_estimator == "full":  # (the update would need the reference's logits too)
         utils.die("--kl_penalty loss cannot use --kl_estimator full (it needs the reference's logits); use k2 (its gradient)")
-    if args.kl_target is not None and (args.kl_target <= 0 or args.kl_horizon <= 0):
+    if (args.kl_target is not None and args.kl_target <= 0) or args.kl_horizon < 1:
         utils.die("--kl_target and --kl_horizon must be positive")
+    if min(args.kl_coef, args.cliprange, args.cliprange_value, args.vf_coef) < 0 or args.num_ppo_epochs < 1:
+        utils.die("--kl_coef, --cliprange, --cliprange_value and --vf_coef must be >= 0, --num_ppo_epochs >= 1")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1) or (args.target_kl is not None and args.target_kl <= 0):
+        utils.die("--gamma and --lam must lie in [0, 1] and --target_kl be positive")
     if args.value_head_shared and args.value_model_path:
         utils.die("--value_model_path loads a separate critic; it cannot be used with --value_head_shared")
     if args.critic_warmup_updates and args.value_head_shared:

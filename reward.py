@@ -82,9 +82,13 @@ def last_token_rewards(model, head, batch):
 
 
 def main(args):
-    run = infra.start(args)  # processes, seeding, batch sizes (--num_train_epochs over the data), output_dir
-    # the tokenizer and every pair rendered and checked (longer than --max_length: left out, as TRL), then the model
-    data = infra.load_examples(run, pairs=True, truncate=False)
+    if (args.center_rewards_coefficient or 0) < 0:
+        utils.die(f"--center_rewards_coefficient must be >= 0, got {args.center_rewards_coefficient}")
+    # the tokenizer and every pair rendered and checked (longer than --max_length: left out, as TRL), before anything
+    # is written
+    rows = infra.read_examples(args, pairs=True, truncate=False)
+    run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
+    data = infra.load_examples(run, rows)  # their batches, each pair's prompt once then its two completions
     references = infra.load_references(run, args.normalize_dataset_name, args.normalize_split)  # (None: the pairs')
     model, _ = infra.load_model(run, score_head=True)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -99,6 +99,8 @@ def main(args):
         utils.die(f"--rloo_k must be at least 2 (the leave-one-out baseline needs another sample), got {args.rloo_k}")
     if args.ratio_threshold is not None and args.ratio_threshold <= 0:
         utils.die("--ratio_threshold must be positive")
+    if args.kl_coef < 0 or args.cliprange < 0 or args.num_ppo_epochs < 1:
+        utils.die("--kl_coef and --cliprange must be >= 0 and --num_ppo_epochs >= 1")
     if (args.vllm_importance_sampling_mode or "sequence").startswith("token"):
         utils.die("RLOO's ratio is the completion's: --vllm_importance_sampling_mode sequence_truncate or sequence_mask")
     k = args.rloo_k  # completions per prompt

@@ -46,7 +46,8 @@ class Args(infra.ExampleArgs, SFTArgs):
     """SFT's flags, then the run's, the model's and the data's (infra/offline.py), with SFT's defaults below."""
 
     dataset_name: str = "data/calculator_sft.jsonl"
-    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats (above)"""
+    """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats: `messages`
+    (conversations), `prompt` and `completion`, or `text` (docs/pipeline.md)"""
     learning_rate: float = 2e-5
     """the AdamW learning rate, annealed linearly to zero (TRL's SFT default)"""
 
@@ -78,12 +79,14 @@ def nll(model, batch, padding_free=False):
 
 
 def main(args):
-    run = infra.start(args)  # processes, seeding, batch sizes (--num_train_epochs over the data), output_dir
-    # the tokenizer and every row rendered and checked, then the model (LoRA, gradient checkpointing)
-    data = infra.load_examples(
-        run, completion_only_loss=args.completion_only_loss, assistant_only_loss=args.assistant_only_loss
+    # the tokenizer and every row rendered and checked (with no token to learn within --max_length: left out, as TRL),
+    # before anything is written
+    rows = infra.read_examples(
+        args, completion_only_loss=args.completion_only_loss, assistant_only_loss=args.assistant_only_loss
     )
-    model, _ = infra.load_model(run)
+    run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
+    data = infra.load_examples(run, rows)  # their batches
+    model, _ = infra.load_model(run)  # (LoRA, gradient checkpointing)
     if args.padding_free and not utils.can_pack(model.config, args.max_length or math.inf):
         utils.die(f"--padding_free: this {model.config.model_type} model's attention cannot run a packed row exactly")
     params = [p for p in model.parameters() if p.requires_grad]

@@ -7,6 +7,7 @@ of modules by concern.
 """
 
 import math
+import sys
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -17,9 +18,20 @@ import torch.nn as nn
 INVALID_LOGPROB = 1.0
 
 
-def die(msg):
-    """Stop the run with a one-line error (no traceback): bad input is the user's to fix, not a crash."""
-    raise SystemExit(f"error: {msg}")
+class Stopped(SystemExit):
+    """die()'s exit, status `code`; str() is its line, already on stderr"""
+
+    def __str__(self):
+        return self.line
+
+
+def die(msg, code=2):
+    """Stop the run with one line on stderr, no traceback: status 2 for bad input (the user's to fix, as a flag the
+    parser refuses), 1 for a run that fails as it goes (a non-finite loss)."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    stop = Stopped(code)
+    stop.line = f"error: {msg}"
+    raise stop
 
 
 # ---------------------------------------------------------------------------------------------------------------------

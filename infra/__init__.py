@@ -25,7 +25,15 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 from .data import teacher_view
 from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs
 from .models import load_policy, load_policy_and_critic, prepare
-from .offline import ExampleArgs, forward_packed, load_examples, load_model, load_references, save_reward_input
+from .offline import (
+    ExampleArgs,
+    forward_packed,
+    load_examples,
+    load_model,
+    load_references,
+    read_examples,
+    save_reward_input,
+)
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
 from .tldr import TldrArgs
@@ -33,5 +41,5 @@ from .tldr import TldrArgs
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs", "ExampleArgs",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
-    "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
+    "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
 ]  # fmt: skip

@@ -4,12 +4,16 @@ cut and gather a batch's rows (and distill.py's teacher_view: a batch with anoth
 """
 
 import dataclasses
+import glob
 import importlib.util
+import json
 import os
 
 import torch
 
 from utils import INVALID_LOGPROB, die, logprobs_from_logits, pad_cat
+
+from .flags import looks_local
 
 
 def read_dataset(dataset_name, split):
@@ -17,8 +21,10 @@ def read_dataset(dataset_name, split):
     import datasets
 
     datasets.disable_progress_bars()
-    if not os.path.exists(dataset_name) and (dataset_name.startswith((".", "/", "~")) or os.path.splitext(dataset_name)[1]):
-        die(f"dataset path {dataset_name!r} does not exist")
+    # the JSON builder logs the parser's error before raising it: the error is said once, below, with its line
+    datasets.utils.logging.get_logger("datasets.packaged_modules.json.json").setLevel("CRITICAL")
+    if not os.path.exists(dataset_name) and looks_local(dataset_name):
+        die(f"dataset path {dataset_name!r} does not exist (a local path, not a hub id)")
     try:
         if os.path.isfile(dataset_name):
             builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
@@ -33,9 +39,30 @@ def read_dataset(dataset_name, split):
             ds = datasets.load_dataset(dataset_name, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
         die(f"cannot load dataset {dataset_name!r} (split {split!r}): {str(e).strip().splitlines()[0]}")
+    except datasets.exceptions.DatasetGenerationError as e:  # a file that does not parse: where, in one line
+        cause = str(e.__cause__ or e).strip().splitlines()[0]
+        die(f"cannot read dataset {dataset_name!r}: {malformed(dataset_name) or cause}")
     if len(ds) == 0:
         die(f"dataset {dataset_name!r} (split {split!r}) is empty")
     return ds
+
+
+def malformed(name):
+    """Where a local JSON Lines or JSON file (or a folder's) first fails to parse, as "file, line N: the parser's
+    message (column C)"; None where every one parses."""
+    files = [name] if os.path.isfile(name) else sorted(glob.glob(os.path.join(name, "**", "*.json*"), recursive=True))
+    for path in files:
+        with open(path) as f:
+            text = f.read()
+        lines = text.splitlines() if path.endswith(".jsonl") else [text]
+        for n, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError as e:
+                return f"{path}, line {e.lineno if len(lines) == 1 else n}: {e.msg} (column {e.colno})"
+            if len(lines) > 1 and not isinstance(row, dict):
+                return f"{path}, line {n}: a row must be a JSON object, got {type(row).__name__}"
+    return None
 
 
 def load_prompts(
@@ -169,7 +196,12 @@ def load_object(spec, flag):
             die(f"{flag} file {where!r} does not exist")
         module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as e:  # (an error the file's own code raises keeps its traceback: it is the user's to debug)
+            die(f"{flag} file {where!r}, line {e.lineno}: {e.msg}")
+        except (OSError, ImportError) as e:
+            die(f"{flag} file {where!r} cannot be read or imported: {e}")
     else:
         try:
             module = importlib.import_module(where)

@@ -180,7 +180,8 @@ def record_eval(output_dir, episode, metrics, samples, writer=None):
     eval_samples/episode_{episode}.jsonl, and eval.json rebuilt from metrics.jsonl's eval rows (so that a resumed run,
     whose metrics.jsonl was cut back, never lists an evaluation twice)."""
     row = {"episode": episode, **metrics}
-    print(f"eval at episode {episode}: {metrics}")
+    shown = (f"{k.removeprefix('eval/')} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in metrics.items())
+    print(f"eval at episode {episode}: " + "  ".join(shown), flush=True)
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if writer is not None:

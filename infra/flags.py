@@ -4,6 +4,7 @@ and --help lists every one; infra reads only the fields defined here and in tldr
 """
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -13,15 +14,59 @@ import tyro
 
 from utils import die
 
-PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "prompts.jsonl")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = os.path.join(REPO, "data", "prompts.jsonl")
+FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
+
+
+def looks_local(name):
+    """Whether a model or dataset argument can only mean a local path, so that one that does not exist is refused at
+    once rather than looked up on the hub (a minute of retries without a network): it starts with '.', '/' or '~',
+    has more than one '/' (a hub id is 'name' or 'owner/name'), ends with a file type, or its first part is output/
+    (where the scripts write) or a folder here (data/...)."""
+    first, local = name.split("/")[0], name.startswith((".", "/", "~")) or name.lower().endswith(FILE_TYPES)
+    return local or name.count("/") > 1 or ("/" in name and (first == "output" or os.path.isdir(first)))
+
+
+def check_paths(args, *flags):
+    """These flags' values (a name, or a tuple of names), each one that can only be local (looks_local(), a chat
+    template, the file of a 'file.py:name' spec) found here, or, given relative, in this repository (its data/ and
+    examples/, so that the README's commands run from any folder) and then made that file's path; else one line."""
+    for flag in flags:
+        value = getattr(args, flag)
+        names = [found(flag, name) for name in (value if isinstance(value, tuple) else (value,))]
+        setattr(args, flag, tuple(names) if isinstance(value, tuple) else names[0])
+
+
+def found(flag, name):
+    if not name or os.path.exists(name):
+        return name
+    spec = ":" in name and not flag.endswith("path")  # (--reward_fn, --environment: '[key=]file.py:name', 'module:name')
+    key, rest = name.split("=", 1) if spec and "=" in name else (None, name)
+    where = rest.rsplit(":", 1)[0] if spec else rest
+    if (spec and not where.endswith(".py")) or os.path.exists(where):
+        return name
+    if where.startswith(("data/", "examples/")) and os.path.exists(os.path.join(REPO, where)):
+        rest = os.path.join(REPO, where) + rest[len(where) :]
+        return rest if key is None else f"{key}={rest}"
+    if spec:
+        die(f"--{flag} {name!r}: the file {where!r} does not exist")
+    if flag == "chat_template" or looks_local(name):
+        die(f"--{flag} {name!r} does not exist (a local path, not a hub id)")
+    return name
 
 
 class Checked:
     """A flag group's checks, run one group after another as the script's Args is parsed (dataclasses call the first
-    __post_init__ they find; each group's calls the next one's)."""
+    __post_init__ they find; each group's calls the next one's). The last, here: every number of every flag, the
+    script's own included, is finite (a NaN passes every comparison the groups make)."""
 
     def __post_init__(self):
-        pass
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, float) and not math.isfinite(v):
+                    die(f"--{field.name} must be a finite number, got {v}")
 
 
 @dataclass
@@ -85,6 +130,8 @@ class RolloutArgs(Checked):
     def __post_init__(self):
         if self.temperature <= 0 or self.response_length < 1 or self.local_rollout_forward_batch_size < 1:
             die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
+        if self.stop_token_id is not None and self.stop_token_id < 0:
+            die(f"--stop_token_id must be a token id (>= 0), got {self.stop_token_id}")
         if self.response_length_min is not None and not 1 <= self.response_length_min <= self.response_length:
             bound = f"[1, --response_length {self.response_length}]"
             die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
@@ -127,6 +174,8 @@ class ScoreArgs(Checked):
     """clip each score to [-score_clip, score_clip], after any scaling (TRL)"""
 
     def __post_init__(self):
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            die(f"--missing_eos_penalty is subtracted from the score: it must be >= 0, got {self.missing_eos_penalty}")
         if self.use_score_norm and not self.use_score_scaling:
             die("--use_score_norm needs --use_score_scaling: it subtracts the running mean of the scores it scales")
         if self.score_clip is not None and self.score_clip <= 0:
@@ -161,6 +210,12 @@ class DataArgs(ScoreArgs):
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
 
+    def __post_init__(self):
+        if self.max_prompt_length < 1:
+            die(f"--max_prompt_length must be at least 1, got {self.max_prompt_length}")
+        check_paths(self, "model_name_or_path", "reward_model_path", "reward_fn", "dataset_name", "chat_template")
+        super().__post_init__()
+
     @property
     def reward_model_paths(self):
         return tuple(self.reward_model_path)
@@ -187,6 +242,7 @@ class EvalArgs(Checked):
     def __post_init__(self):
         if self.eval_every < 0 or self.num_eval_generations < 0 or self.eval_batch_size < 1:
             die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
+        check_paths(self, "eval_dataset_name")
         super().__post_init__()
 
 
@@ -230,8 +286,9 @@ class EnvArgs(Checked):
     None: max_turns x response_length"""
 
     def __post_init__(self):
-        if self.max_turns < 1 or (self.max_episode_tokens or 1) < 1:
+        if self.max_turns < 1 or (self.max_episode_tokens is not None and self.max_episode_tokens < 1):
             die("--max_turns and --max_episode_tokens must be positive")
+        check_paths(self, "environment")
         if self.max_episode_tokens is None:
             self.max_episode_tokens = self.max_turns * self.response_length
         super().__post_init__()
@@ -261,6 +318,8 @@ class TrainArgs(Checked):
     """seed of the experiment"""
     output_dir: Optional[str] = None
     """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
+    quiet: bool = False
+    """print no line per update, configuration or sample table: only where the run writes, evaluations, notes and errors"""
     track: bool = False
     """log to Weights and Biases"""
     wandb_project_name: str = "rlhf-scripts"
@@ -286,14 +345,14 @@ class TrainArgs(Checked):
 
     # optimisation
     max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    """gradient clipping norm (0: no clipping, as TRL)"""
     bf16: bool = False
     """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
     use_peft: bool = False
-    """train LoRA adapters on every linear layer of the policy instead of all its weights (needs `pip install peft`);
-    the reference is then the policy with its adapters switched off, so no second copy is held"""
+    """train LoRA adapters (peft) on every linear layer of the policy instead of all its weights; the reference is then
+    the policy with its adapters switched off, so no second copy is held"""
     lora_r: int = 16
     """the LoRA rank"""
     lora_alpha: int = 32
@@ -322,14 +381,23 @@ class TrainArgs(Checked):
     """prompts per update on each process"""
 
     def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
+        sizes = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches"]
+        sizes += ["total_episodes"] if self.total_episodes is not None else []
+        for name in sizes:
+            if getattr(self, name) < 1:
+                die(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.learning_rate < 0 or self.max_grad_norm < 0:
+            die("--learning_rate and --max_grad_norm (0: no clipping) must be >= 0")
+        if not 0 <= self.seed < 2**31:
+            die(f"--seed must be in [0, 2**31), got {self.seed}")
         if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
             die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
         if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
             die("--ema_beta does not work with --use_peft yet")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
-        if self.use_peft and self.lora_r < 1:
-            die(f"--lora_r must be at least 1, got {self.lora_r}")
+        if self.use_peft and (self.lora_r < 1 or self.lora_alpha < 1):
+            die(f"--lora_r and --lora_alpha must be at least 1, got {self.lora_r} and {self.lora_alpha}")
         if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
             if not self.hub_model_id:
                 die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
@@ -368,10 +436,13 @@ class RunArgs(TrainArgs):
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
 
     def __post_init__(self):
+        if self.num_sample_generations < 0:
+            die(f"--num_sample_generations must be >= 0, got {self.num_sample_generations}")
         if self.ptx_coef < 0:
             die(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
         if self.ptx_coef > 0 and not self.ptx_dataset:
             die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
         if self.ptx_max_length is not None and self.ptx_max_length < 2:
             die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {self.ptx_max_length}")
+        check_paths(self, "ptx_dataset")
         super().__post_init__()

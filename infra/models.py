@@ -4,14 +4,21 @@ gets: LoRA, gradient checkpointing, the optimiser, preparation, and saving.
 """
 
 import copy
-import functools
 import importlib.util
+import json
+import logging
 import os
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import PolicyAndValue, die, init_value_head
+
+from .flags import looks_local
+
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    # what DeepSpeed would find by itself, said before it warns on every run that it found no GPU
+    os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def resolve_pretrained(name):
@@ -32,8 +39,8 @@ def resolve_pretrained(name):
             ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
             if ggufs:
                 return folder, ggufs[0]
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        die(f"model path {name!r} does not exist")
+    if looks_local(name):
+        die(f"model path {name!r} does not exist (a local path, not a hub id)")
     return name, None
 
 
@@ -51,6 +58,84 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
         # transformers dequantizes GGUF weights to fp32; without the marker the model trains and saves as any other
         model.hf_quantizer.remove_quantization_config(model)
     return obj
+
+
+def load_scorer(name, trust_remote_code=False, **kwargs):
+    """AutoModelForSequenceClassification of anything load_pretrained takes, and the keys of its score head that the
+    checkpoint lacks (a causal LM's, which transformers starts at random; empty: a trained head). transformers' loading
+    report of exactly that (the head missing, a causal LM's output layer unused, the trunk whole) is held back, each
+    caller saying what a new head means to it: reward.py and PPO's critic start one, a reward model is refused. Any
+    other report is shown as transformers writes it."""
+    held, log = [], logging.getLogger("transformers.modeling_utils")
+
+    def hold(record):  # (a logging filter: False holds the record back)
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    log.addFilter(hold)
+    expected = False
+    try:
+        model, info = load_pretrained(
+            AutoModelForSequenceClassification, name, trust_remote_code, output_loading_info=True, **kwargs
+        )
+        trunk = model.base_model_prefix + "."
+        new = {k for k in info["missing_keys"] if not k.startswith(trunk)}
+        unexpected = {k for k in info["unexpected_keys"] if k.startswith(trunk)}
+        expected = bool(new) and info["missing_keys"] == new and not unexpected and not info["mismatched_keys"]
+    finally:
+        log.removeFilter(hold)
+        for record in [] if expected else held:
+            log.handle(record)
+    return model, new
+
+
+def load_reward_model(name, trust_remote_code=False):
+    """A reward model (--reward_model_path): a sequence-classification model with one output and the score head its
+    checkpoint holds, or reward.py's LoRA adapters (load_adapters). A checkpoint without a trained score head (a causal
+    LM) stops the run in one line: transformers would start one at random, and RL would train on its noise."""
+    from transformers.utils import find_adapter_config_file
+
+    path, gguf_file = resolve_pretrained(name)
+    if not gguf_file and find_adapter_config_file(path):
+        model = load_adapters(name, path, trust_remote_code)
+    else:
+        model, new = load_scorer(name, trust_remote_code)
+        if new:
+            die(f"reward model {name!r} has no trained score head (a causal LM?): train one with reward.py")
+    if model.config.num_labels != 1:
+        die(f"reward model {name!r} has num_labels={model.config.num_labels}; it must be 1")
+    return model
+
+
+def load_adapters(name, path, trust_remote_code=False):
+    """A reward model saved as LoRA adapters (reward.py --use_peft without --merge_lora), as peft loads it: the base model
+    adapter_config.json names, as sequence classification with one output, the adapters and the score head they
+    trained whole (peft's modules_to_save), merged for inference; its reading rule from reward_input.json beside them
+    (save_policy), as a merged model's config holds it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.utils import cached_file
+
+    try:
+        from peft import PeftConfig, PeftModel
+        from peft.utils import load_peft_weights
+    except ImportError:
+        die(f"reward model {name!r} is LoRA adapters, which need the peft package: pip install peft")
+    if is_deepspeed_zero3_enabled():  # (the base would load sharded, which peft cannot merge into)
+        die(f"reward model {name!r} is LoRA adapters, which do not load under ZeRO-3: re-run reward.py with --merge_lora")
+    base, new = load_scorer(PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, num_labels=1)
+    saved = load_peft_weights(path)  # (their keys: base_model.model.score.weight for the head)
+    if any(not any(k.endswith("." + key) for k in saved) for key in new):
+        die(f"reward model {name!r} has no trained score head (LoRA adapters without one): train one with reward.py")
+    model = PeftModel.from_pretrained(base, path).merge_and_unload()
+    rule = cached_file(
+        path, "reward_input.json", _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
+    )
+    if rule:
+        with open(rule) as f:
+            model.config.reward_input = json.load(f)
+    return model
 
 
 def load_tokenizer(name, trust_remote_code=False, chat_template=None):
@@ -211,6 +296,13 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     new head; shared: a value head on the policy's trunk instead. Returns (model, ref_policy or None), for prepare()."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
+    critic = None
+    if value_model_path:  # a saved critic: one without a trained head stops the run before the policy loads
+        critic, new = load_scorer(value_model_path, args.trust_remote_code)
+        if new:
+            die(f"value model {value_model_path!r} has no trained score head (a causal LM?): give a critic ppo.py saved")
+        if critic.config.num_labels != 1:
+            die(f"value model {value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
     source = run.sources[0]
     rm_critic = not value_model_path and "model" in source and source["same_vocabulary"]
@@ -225,23 +317,20 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
         )
         ref_policy.eval().requires_grad_(False)
     # the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded anew)
-    critic, load = None, functools.partial(load_pretrained, AutoModelForSequenceClassification)
-    if value_model_path:
-        critic = load(value_model_path, args.trust_remote_code)
-    elif not shared and rm_critic:
-        critic = load(source["path"], args.trust_remote_code) if zero3(accelerator) else copy.deepcopy(source["model"])
+    if rm_critic and not shared:
+        critic = (
+            load_reward_model(source["path"], args.trust_remote_code) if zero3(accelerator) else copy.deepcopy(source["model"])
+        )
         critic.requires_grad_(True)
-    elif not shared:
-        if zero3(accelerator):
-            critic = load(args.model_name_or_path, args.trust_remote_code, num_labels=1)
+    elif not (shared or value_model_path):
+        if zero3(accelerator):  # (the policy's checkpoint: a new head, which load_scorer does not report)
+            critic = load_scorer(args.model_name_or_path, args.trust_remote_code, num_labels=1)[0]
         else:
             config = copy.deepcopy(policy.config)
             config.num_labels = 1
             critic = AutoModelForSequenceClassification.from_config(config)
             getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
         init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
-    if critic is not None and critic.config.num_labels != 1:
-        die(f"value model {value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     policy = trainable(policy, args, gradient_checkpointing=False)  # (after the critic took a copy of the trunk)
     model = PolicyAndValue(policy, critic, args.seed).eval()
     if args.gradient_checkpointing:
@@ -298,7 +387,8 @@ def prepare(run, model, optimizer, frozen=None):
 
 def save_policy(accelerator, model, args):
     """The trained policy to output_dir: its weights (under ZeRO-3 gathered on the main process), or with LoRA the
-    adapters alone (peft's PeftModel.from_pretrained(base, output_dir)) or merged (--merge_lora); PPO's module saves
+    adapters alone (peft's PeftModel.from_pretrained(base, output_dir); a reward model's rule in reward_input.json) or
+    merged (--merge_lora); PPO's module saves
     its critic to output_dir/critic (a sequence-classification model, which --value_model_path loads) or its value
     head to value_head.safetensors."""
     accelerator.wait_for_everyone()
@@ -306,9 +396,19 @@ def save_policy(accelerator, model, args):
     unwrapped = accelerator.unwrap_model(model)
     both = isinstance(unwrapped, PolicyAndValue)
     policy = unwrapped.policy if both else unwrapped
-    if args.use_peft:
-        policy = policy.merge_and_unload() if args.merge_lora else policy
-        policy.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+    if args.use_peft and args.merge_lora:
+        policy.merge_and_unload().save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process)
+    elif args.use_peft:
+        # the adapters' base named so that it loads from any folder: a local one's absolute path (peft records the
+        # folder as given, or the folder of a package's .gguf file, which peft cannot load alone), else the name given
+        base = os.path.abspath(args.model_name_or_path) if os.path.exists(args.model_name_or_path) else args.model_name_or_path
+        policy.peft_config[policy.active_adapter].base_model_name_or_path = base
+        # (no embedding layers: the scripts train none and add no token, and peft would look the base up on the hub)
+        policy.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process, save_embedding_layers=False)
+        rule = getattr(policy.config, "reward_input", None)  # reward.py's (save_reward_input): adapters carry no config.json
+        if rule is not None and accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "reward_input.json"), "w") as f:
+                json.dump(rule, f)
     else:
         part = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")} if both else state_dict
         policy.save_pretrained(

@@ -5,17 +5,18 @@ held-out set, and the model as loaded. A reward model's input is rendered here b
 """
 
 import json
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM
 
 from utils import die, init_value_head, packed_mask
 
 from .data import Shuffled, read_dataset
-from .flags import TrainArgs
-from .models import check_model, load_pretrained, load_tokenizer, trainable
+from .flags import TrainArgs, check_paths
+from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
 
 
 @dataclass
@@ -41,9 +42,11 @@ class ExampleArgs(TrainArgs):
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
     num_train_epochs: float = 1.0
-    """passes over the dataset (the run trains on whole batches: the total is rounded down to one)"""
+    """passes over the examples kept (not those --max_length leaves out), in whole batches: the total rounded down to one"""
     total_episodes: Optional[int] = None
     """examples (or pairs) to train on, a multiple of the batch; None: --num_train_epochs passes over the dataset"""
+    per_device_train_batch_size: int = 8
+    """examples (or pairs) per forward/backward pass on each device"""
 
     def __post_init__(self):
         if not self.dataset_name:
@@ -52,12 +55,8 @@ class ExampleArgs(TrainArgs):
             die("--eval_every must be >= 0, --eval_batch_size >= 1 and --max_length >= 2")
         if self.num_train_epochs <= 0:
             die(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        check_paths(self, "model_name_or_path", "dataset_name", "eval_dataset_name", "chat_template")
         super().__post_init__()
-
-
-def training_examples(args):
-    """The examples a run trains on without --total_episodes: num_train_epochs passes over the dataset's rows."""
-    return int(args.num_train_epochs * len(read_dataset(args.dataset_name, args.dataset_split)))
 
 
 # rendering: TRL's rules
@@ -65,10 +64,7 @@ def training_examples(args):
 
 def shared(a, b):
     """how many items (tokens, messages, characters) a and b share at the start"""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def with_eos(tokenizer, text):
@@ -128,17 +124,24 @@ def assistant_mask(tokenizer, messages, tools, ids):
 
 
 def tools_of(row):
+    """a row's `tools` column: the tools' JSON schemas, a list or a JSON string (None: none)"""
     tools = row.get("tools")
-    return json.loads(tools) if isinstance(tools, str) else tools
+    try:
+        return json.loads(tools) if isinstance(tools, str) else tools
+    except json.JSONDecodeError as e:
+        die(f"a `tools` value is not JSON ({e.msg} at column {e.colno}): {tools[:60]!r}")
 
 
 def implicit_prompt(chosen, rejected):
-    """A pair without a prompt column: the prompt is what chosen and rejected share at the start (the messages before
-    the first that differs; for strings, the text up to the last space before the first character that differs)."""
+    """A pair without a prompt column, split by TRL's extract_prompt: the prompt is chosen up to the first item (message
+    or character) that differs from rejected's, less a space just before it; if one is a prefix of the other, all but
+    the shorter's last item (where TRL's loop ends). One guard TRL lacks: where the first items differ the prompt is
+    empty (TRL's chosen[idx - 1] would read chosen's last character)."""
     n = shared(chosen, rejected)
-    if isinstance(chosen, str):
-        n = chosen.rfind(" ", 0, n + 1) if n < min(len(chosen), len(rejected)) else n
-        n = max(n, 0)
+    if n == min(len(chosen), len(rejected)):
+        n = max(n - 1, 0)
+    elif n > 0 and chosen[n - 1] == " ":
+        n -= 1
     return chosen[:n], chosen[n:], rejected[n:]
 
 
@@ -151,10 +154,11 @@ def empty(completion):
 # the datasets
 
 
-def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss):
+def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss, what="token to learn"):
     """SFT's rows, {"ids", "mask"}: TRL's language-modeling (`text`), prompt-completion (`prompt`, `completion`) or
     conversational (`messages`) formats; mask: the tokens the loss covers (the completion's with completion_only_loss,
-    the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the start (TRL's keep_start)."""
+    the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the start (TRL's keep_start); a
+    row left with no token the loss covers is dropped, as TRL drops it, with a note (`what` it lacks) of how many."""
     columns = ds.column_names
     if "messages" in columns:
         kind = "messages"
@@ -168,7 +172,7 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
         die("--assistant_only_loss needs conversations (a `messages` column)")
     if completion_only_loss and kind != "prompt-completion":
         die("--completion_only_loss needs a `prompt` and a `completion` column")
-    rows = []
+    rows, dropped = [], 0
     for i, row in enumerate(ds):
         tools = tools_of(row)
         if kind == "messages":
@@ -188,9 +192,14 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
             ids = tokenizer(with_eos(tokenizer, row["text"]))["input_ids"]
             mask = [True] * len(ids)
         ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask[1:]):  # the first token is predicted by nothing
-            die(f"{where}, row {i}: no token to learn within --max_length {max_length}")
+        if not any(mask[1:]):  # (the first token is predicted by nothing)
+            dropped += 1
+            continue
         rows.append({"ids": ids, "mask": mask})
+    if dropped:
+        print(f"note: {dropped} of {len(ds)} rows in {where} have no {what} within --max_length {max_length}: left out")
+    if not rows:
+        die(f"every row in {where} has no {what} within --max_length {max_length}")
     return rows
 
 
@@ -235,23 +244,27 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
     return rows
 
 
-def load_examples(run, pairs=False, **rendering):
+# read_examples' answer: the tokenizer, the training rows kept, the held-out ones (None without), whether they are pairs
+Rows = namedtuple("Rows", "tokenizer train held_out pairs")
+
+
+def read_examples(args, pairs=False, **rendering):
     """The tokenizer (with --chat_template), then the training rows and the held-out ones (sft_rows, or with pairs
-    pair_rows, given the rendering's flags), checked before any model loads; their batches (Examples), registered
-    for checkpointing."""
-    args = run.args
-    run.tokenizer = tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.chat_template)
-    rows_of = pair_rows if pairs else sft_rows
-    sets = [(args.dataset_name, args.dataset_split)]
-    if args.eval_dataset_name:
-        sets.append((args.eval_dataset_name, args.eval_split))
-    loaded = []
-    for name, split in sets:
+    pair_rows, given the rendering's flags), checked before anything is written or any model loads, and before
+    start() counts --num_train_epochs over the rows kept (as TRL, which filters before it counts)."""
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.chat_template)
+    rows_of, loaded = pair_rows if pairs else sft_rows, []
+    for name, split in [(args.dataset_name, args.dataset_split), (args.eval_dataset_name, args.eval_split)]:
         where = f"dataset {name!r} (split {split!r})"
-        loaded.append(rows_of(tokenizer, read_dataset(name, split), where, args.max_length, **rendering))
-    data = Examples(run, loaded[0], loaded[1] if len(loaded) > 1 else None, pairs)
+        loaded.append(rows_of(tokenizer, read_dataset(name, split), where, args.max_length, **rendering) if name else None)
+    return Rows(tokenizer, loaded[0], loaded[1], pairs)
+
+
+def load_examples(run, rows):
+    """read_examples' rows as the run's batches (Examples), their draw registered for checkpointing."""
+    run.tokenizer, run.sources, run.eval_set = rows.tokenizer, [], None
+    data = Examples(run, rows.train, rows.held_out, rows.pairs)
     run.accelerator.register_for_checkpointing(data.order)
-    run.sources, run.eval_set = [], None
     return data
 
 
@@ -261,7 +274,7 @@ def load_references(run, name, split):
     if not name:
         return None
     where = f"dataset {name!r} (split {split!r})"
-    rows = sft_rows(run.tokenizer, read_dataset(name, split), where, run.args.max_length, None, False)
+    rows = sft_rows(run.tokenizer, read_dataset(name, split), where, run.args.max_length, None, False, what="completion token")
     return Examples(run, rows, None, pairs=False)
 
 
@@ -320,8 +333,9 @@ class Examples:
                 mask[i, width - len(r["mask"]) + 1 :] = torch.tensor(r["mask"][1:])  # (nothing predicts the first)
             return Batch(ids.to(device), attention.to(device), loss_mask=mask.to(device))
         # pairs: rows (chosen, rejected) of each pair, its prompt left-padded to the batch's longest, the completions
-        # right-padded: (2 * pairs, prompt width + completion width)
-        prompt_width = max(len(r["prompt"]) for r in picked)
+        # right-padded: (2 * pairs, prompt width + completion width); at least one prompt column (padding where every
+        # prompt is empty), where forward_grouped reads the logits that predict a completion's first token
+        prompt_width = max(1, *(len(r["prompt"]) for r in picked))
         completions = [c for r in picked for c in (r["chosen"], r["rejected"])]
         width = max(len(c) for c in completions)
         ids = torch.full((2 * len(picked), prompt_width + width), self.pad, dtype=torch.long)
@@ -332,11 +346,15 @@ class Examples:
             attention[i, prompt_width - len(prompt) : prompt_width + len(c)] = 1
         lengths = torch.tensor([len(c) for c in completions])
         margin = torch.tensor([r["margin"] for r in picked])
+        # TRL's shift: nothing predicts the first token after an empty prompt (its logits would read padding)
+        logprob_mask = torch.arange(width)[None, :] < lengths[:, None]
+        logprob_mask[:, 0] &= torch.tensor([len(picked[i // 2]["prompt"]) > 0 for i in range(len(completions))])
         return Batch(
             ids.to(device),
             attention.to(device),
             context_length=prompt_width,
             lengths=lengths.to(device),
+            logprob_mask=logprob_mask.to(device),
             margin=margin.to(device),
             index=torch.tensor(index, device=device),
         )
@@ -346,21 +364,17 @@ class Examples:
 class Batch:
     """A micro-batch. SFT: left-padded rows and loss_mask, the tokens the loss covers. Pairs: rows 2j and 2j + 1 are
     pair j's chosen and rejected, after its prompt left-padded to context_length columns; lengths: each completion's
-    tokens; margin: each pair's; index: the pairs' rows."""
+    tokens; logprob_mask (rows, completion width): the completion tokens a logprob sums, those a real token predicts
+    (all but the first after an empty prompt); margin: each pair's; index: the pairs' rows."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: Optional[torch.Tensor] = None
     context_length: int = 0
     lengths: Optional[torch.Tensor] = None
+    logprob_mask: Optional[torch.Tensor] = None
     margin: Optional[torch.Tensor] = None
     index: Optional[torch.Tensor] = None
-
-    @property
-    def completion_mask(self):
-        """(rows, completion width): True on each completion's tokens"""
-        width = self.input_ids.shape[1] - self.context_length
-        return torch.arange(width, device=self.input_ids.device)[None, :] < self.lengths[:, None]
 
 
 def load_model(run, score_head=False, reference=False):
@@ -369,16 +383,10 @@ def load_model(run, score_head=False, reference=False):
     process, or the one the model has); and with reference a frozen copy (none with LoRA: the model with its adapters
     switched off). Returns (model, reference or None) for prepare()."""
     args = run.args
-    if score_head:
-        model, info = load_pretrained(
-            AutoModelForSequenceClassification,
-            args.model_name_or_path,
-            args.trust_remote_code,
-            num_labels=1,
-            output_loading_info=True,
-        )
+    if score_head:  # (a causal LM's checkpoint: a new head, which load_scorer does not report)
+        model, new = load_scorer(args.model_name_or_path, args.trust_remote_code, num_labels=1)
         model.config.pad_token_id = run.tokenizer.pad_token_id  # (its own forward pools at the last non-pad token)
-        if any(key.startswith("score.") for key in info["missing_keys"]):  # a new head: the same on every process
+        if new:  # the same on every process
             init_value_head(model.score, getattr(model.config, "initializer_range", 0.02), args.seed)
     else:
         model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
@@ -391,9 +399,11 @@ def load_model(run, score_head=False, reference=False):
 
 
 def save_reward_input(run, model, offset):
-    """Into the reward model's config (config.json), how it reads a (prompt, completion): rendered as one conversation
-    (render), scored at its last token, less offset (its training completions' mean score). The RL scripts score
-    with this rule (infra/rewards.py), which plain transformers does not know of: it gives the score before the offset."""
+    """Into the reward model's config (config.json; LoRA adapters saved alone, which have none, save it beside them as
+    reward_input.json: infra.models.save_policy), how it reads a (prompt, completion): rendered as one conversation
+    (render, with the row's tools), scored at its last token, less offset (its training completions' mean score). The
+    RL scripts score with this rule (infra/rewards.py), which plain transformers does not know of: it gives the score
+    before the offset."""
     config = run.accelerator.unwrap_model(model).config
     config.reward_input = {"rendering": "conversation", "offset": offset}
 

@@ -4,6 +4,7 @@ wandb, completions, sample tables), the model card and the hub upload, and the e
 
 import glob
 import json
+import logging
 import math
 import os
 import secrets
@@ -42,6 +43,37 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     return stats
 
 
+# the update's line on the console: (label, metric), those the row has, in this order
+CONSOLE = [
+    ("score", "objective/scores"), ("loss", "loss/sft"), ("loss", "loss/reward"), ("loss", "loss/dpo"),
+    ("loss", "distill/loss"), ("accuracy", "train/mean_token_accuracy"), ("accuracy", "train/accuracy"),
+    ("accuracy", "rewards/accuracies"), ("margin", "rewards/margins"), ("kl", "objective/kl"),
+    ("length", "val/response_length"), ("length", "completions/mean_length"), ("offset", "reward/offset"), ("lr", "lr"),
+]  # fmt: skip
+
+
+def update_line(row, update, num_updates):
+    """The console's line for an update's metrics row: "update 3/24  episode 48  score 0.213  kl 0.0121 ..." """
+    parts = [f"update {update}/{num_updates}", f"episode {row['episode']}"]
+    parts += [f"{label} {row[key]:.4g}" for label, key in CONSOLE if key in row]
+    return "  ".join(parts + [f"{row['eps']:.3g} episodes/s"])
+
+
+def saved_line(args, model):
+    """The console's last line: where the run wrote, and how the saved model loads."""
+    out = args.output_dir
+    logs = f"metrics in {os.path.join(out, 'metrics.jsonl')}, TensorBoard: tensorboard --logdir {os.path.join(out, 'runs')}"
+    if not args.save_model:
+        return f"done: {logs} (no model saved: --no_save_model)"
+    model = getattr(model, "policy", model)  # (PPO: the policy beside its critic)
+    head = "SequenceClassification" if type(model).__name__.endswith("ForSequenceClassification") else "CausalLM"
+    if args.use_peft and not args.merge_lora:
+        load = f"LoRA adapters: peft.PeftModel.from_pretrained(base_model, {out!r}) (--merge_lora saves the whole model)"
+    else:
+        load = f"transformers.AutoModelFor{head}.from_pretrained({out!r})"
+    return f"done: the model in {out}, {load}; {logs}"
+
+
 def print_samples(title, prompts, completions, per_source, sources, scores, scored):
     """A table of sample completions, each source's reward (nan: it could not judge) and the score ("-": none did)."""
     from rich.console import Console
@@ -77,6 +109,10 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
         names = list(rows[0])
         wandb.log({"completions": wandb.Table(columns=names, data=[[row[n] for n in names] for row in rows])})
 
+
+# accelerate's checkpoints leave out a tensor that shares its storage with another (tied input and output embeddings)
+# and warn at every save; a resume loads them into the same module, whose tied weights share that storage again
+logging.getLogger("accelerate.utils.other").addFilter(lambda record: "Removed shared tensor" not in record.getMessage())
 
 HUB_IGNORE = ["checkpoint-*", "runs/*", "wandb_id", "*.tmp", "completions.jsonl"]
 # the metrics a model card lists: a script's own diagnostics (clip fractions, ratios, losses) stay in metrics.jsonl
@@ -192,7 +228,7 @@ def push_to_hub(output_dir, repo_id, private):
 RESUMABLE = {
     "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
     "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private", "cuda_graphs",
+    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private", "cuda_graphs", "quiet",
 }  # fmt: skip
 # the files a resumed run cuts back to its checkpoint: their rows past it are written again
 LOGS = ["metrics.jsonl", "completions.jsonl"]
@@ -211,7 +247,8 @@ def open_output_dir(args):
     if args.resume and not checkpoints(args.output_dir):
         die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
-        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl); choose another or add --resume")
+        resumable = " or add --resume to continue it" if checkpoints(args.output_dir) else ""
+        die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl): choose another folder{resumable}")
     if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
         with open(os.path.join(args.output_dir, "args.json")) as f:
             saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)
@@ -247,7 +284,7 @@ def checkpoint(accelerator, model, args, update, state, extra=None):
     repeats nor loses one. Only the newest keep_checkpoints are kept."""
     finite = all(torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters())  # (ZeRO-3: the shard)
     if accelerator.reduce(torch.tensor(float(finite), device=accelerator.device), reduction="sum") < args.world_size:
-        die(f"non-finite weights at update {update}; no checkpoint written")
+        die(f"non-finite weights at update {update}; no checkpoint written", code=1)
     path = os.path.join(args.output_dir, f"checkpoint-{update:07d}")
     if accelerator.is_main_process:
         shutil.rmtree(path + ".tmp", ignore_errors=True)
@@ -275,7 +312,9 @@ def open_logs(accelerator, args, run_name, episode):
     processes)."""
     if not accelerator.is_main_process:
         return None
-    pprint(args)
+    if not args.quiet:
+        pprint(args)
+    print(f"writing to {args.output_dir}: metrics.jsonl, TensorBoard logs (runs/), the model at the end", flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     if not args.resume:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:

@@ -11,14 +11,13 @@ import re
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification
 
 from utils import die, scalar_forward
 
 from .data import left_pad, load_object, truncate_response
 from .environments import awaited
-from .models import load_pretrained, load_tokenizer, same_vocabulary
-from .offline import is_chat, render, template_ids
+from .models import load_reward_model, load_tokenizer, same_vocabulary
+from .offline import is_chat, render, template_ids, tools_of
 
 
 def load_reward_fn(spec, columns):
@@ -65,10 +64,8 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
         seen[source["name"]] = seen.get(source["name"], 0) + 1
         if seen[source["name"]] > 1:  # two sources of one name: rewards/vowels, rewards/vowels_2
             source["name"] += f"_{seen[source['name']]}"
-    for source in models:
-        model = load_pretrained(AutoModelForSequenceClassification, source["path"], args.trust_remote_code)
-        if model.config.num_labels != 1:
-            die(f"reward model {source['path']!r} has num_labels={model.config.num_labels}; it must be 1")
+    for source in models:  # (one without a trained score head, a causal LM, stops the run here, before the policy loads)
+        model = load_reward_model(source["path"], args.trust_remote_code)
         rm_tokenizer = load_tokenizer(source["path"], args.trust_remote_code)
         source["model"] = model.eval().requires_grad_(False)
         # how reward.py's models read a conversation (infra.offline.save_reward_input): rendered as in training
@@ -76,6 +73,7 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
         source["same_vocabulary"] = same_vocabulary(tokenizer, rm_tokenizer)  # (PPO's critic can start from it)
         same = source["same_vocabulary"] and source["rule"] is None
         source["tokenizer"] = None if same else rm_tokenizer  # None: our tokens, read as they are
+        source["environments"] = env  # (an episode's reward model input renders the tools its environment offered)
     if env is not None:  # each environment class's reward, with weight 1 (as TRL), named after the class
         sources += [{"name": name, "weight": 1.0, "env": j} for j, name in enumerate(env.names)]
     return sources
@@ -141,22 +139,22 @@ def check_rewards(values, n, source):
 
 def rm_scores(
     reward_model, rm_tokenizer, tokenizer, query_responses, mask, context_length, lengths, stop_token_id, raw=None,
-    rule=None, conversations=None,
+    rule=None, conversations=None, tools=None,
 ):  # fmt: skip
     """A reward model's scores (batch,) read at the last real token of query_responses (left-padded queries of
     context_length columns, then responses of `lengths` tokens). With a tokenizer of its own (rm_tokenizer not None),
     a model of reward.py (rule: its config's reward_input) or a chat prompt (raw: the prompts as the dataset holds
     them) is given the prompt and the decoded completion rendered as reward.py renders a pair in training
-    (infra.offline.render: one conversation through its own chat template; conversations: an episode's whole, as
-    messages), less the rule's offset; any other reads the text re-encoded, a stop token that decoding drops (EOS)
-    becoming the reward model's EOS token."""
+    (infra.offline.render: one conversation through its own chat template, with each row's tools; conversations: an
+    episode's whole, as messages), less the rule's offset; any other reads the text re-encoded, a stop token that
+    decoding drops (EOS) becoming the reward model's EOS token."""
     chat = raw is not None and is_chat(raw[0])
     if rm_tokenizer is None:  # the policy's tokens as they are: nothing to decode
         ids, last = query_responses, context_length + lengths - 1
     else:
         completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
         if rule is not None or chat or conversations is not None:  # rendered as reward.py renders a pair
-            seqs = reward_input(rm_tokenizer, raw, completions, conversations)
+            seqs = reward_input(rm_tokenizer, raw, completions, conversations, tools)
         else:
             queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
             seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
@@ -174,14 +172,29 @@ def rm_scores(
     return scores - (rule or {}).get("offset", 0.0)
 
 
-def reward_input(rm_tokenizer, raw, completions, conversations=None):
+def reward_input(rm_tokenizer, raw, completions, conversations=None, tools=None):
     """The token ids a reward model of reward.py reads for each (prompt as the dataset holds it, completion text): the
     two rendered as reward.py renders a pair (infra.offline.render), a chat prompt's completion as the assistant's
-    message; conversations: an episode's every message, rendered whole."""
+    message; conversations: an episode's every message, rendered whole. tools: each row's, as reward.py passes a pair's
+    `tools` column to the chat template (JSON schemas, a list or a JSON string; None: none)."""
+    n = len(conversations) if conversations is not None else len(raw)
+    tools = [tools_of({"tools": t}) for t in tools] if tools is not None else [None] * n
     if conversations is not None:
-        return [template_ids(rm_tokenizer, c) for c in conversations]
+        return [template_ids(rm_tokenizer, c, t) for c, t in zip(conversations, tools)]
     replies = [[{"role": "assistant", "content": c}] if is_chat(p) else c for p, c in zip(raw, completions)]
-    return [sum(render(rm_tokenizer, p, c), []) for p, c in zip(raw, replies)]  # prompt ids + completion ids
+    return [sum(render(rm_tokenizer, p, c, t), []) for p, c, t in zip(raw, replies, tools)]  # prompt ids + completion ids
+
+
+def rm_tools(env, columns):
+    """The tools each row's reward model input renders, as reward.py rendered a pair with its row's `tools` column: the
+    row's (columns: the rows' other columns), or in an episode (env: --environment's Environments) those its
+    environment offered the policy; None where no row has any. (TRL's GRPO and RLOO trainers render a reward model's
+    input without tools, though its RewardTrainer trains with them: a model is read here as it was trained.)"""
+    tools = columns.get("tools")
+    if env is not None:  # each episode's environment's tools (their schemas, as load_prompts offers them), else the row's
+        offered = [env.schemas(kind, live) for kind, live in zip(env.episode_kinds, env.live)]
+        tools = [o or t for o, t in zip(offered, tools or [None] * len(offered))]
+    return tools
 
 
 def get_scores(
@@ -209,6 +222,7 @@ def get_scores(
                 raw=raw,
                 rule=source.get("rule"),
                 conversations=columns.get("messages") if env_rewards is not None else None,
+                tools=rm_tools(source.get("environments") if env_rewards is not None else None, columns),
             )
             rows.append(scores)
             continue

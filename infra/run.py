@@ -2,6 +2,7 @@
 resume, the learning rate, PTX, clipping, EMA, logging, evaluation and checkpoints, the end).
 """
 
+import math
 import random
 import sys
 import time
@@ -9,7 +10,6 @@ import time
 import numpy as np
 import torch
 from accelerate import Accelerator
-from tqdm import tqdm
 
 from utils import PolicyAndValue, die, forward
 
@@ -19,7 +19,6 @@ from .environments import Environments
 from .evaluation import evaluate, record_eval
 from .hooks import notify
 from .models import check_accelerate_config, load_tokenizer, process_group_kwargs, save_policy, zero3
-from .offline import training_examples
 from .outputs import (
     checkpoint,
     finish,
@@ -30,6 +29,8 @@ from .outputs import (
     reduce_stats,
     resume,
     reward_stats,
+    saved_line,
+    update_line,
     write_completions,
 )
 from .rewards import load_reward_sources
@@ -99,12 +100,7 @@ class Run:
         if not args.resume:  # before training: the curves' first point
             self.evaluate()
         self.start_episode, self.start_time = self.episode, time.time()
-        for update in tqdm(
-            range(self.start_update, args.num_updates + 1),
-            initial=self.start_update - 1,
-            total=args.num_updates,
-            disable=not self.accelerator.is_local_main_process,
-        ):
+        for update in range(self.start_update, args.num_updates + 1):
             self.episode += args.batch_size
             self.update = update
             yield update
@@ -138,15 +134,15 @@ class Run:
     def check_finite(self, loss):
         """Stop the run in one line on a non-finite loss, naming the last good checkpoint."""
         if not torch.isfinite(torch.as_tensor(loss)):
-            die(f"non-finite loss at update {self.update}; last good checkpoint: {self.last_checkpoint}")
+            die(f"non-finite loss at update {self.update}; last good checkpoint: {self.last_checkpoint}", code=1)
 
     def clip_gradients(self, model):
         """At each optimiser step, the gradients clipped to --max_grad_norm; a non-finite norm stops the run."""
         if self.accelerator.sync_gradients:
-            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm or math.inf)  # (0: none)
             # (None under DeepSpeed versions that clip inside their own step)
             if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
-                die(f"non-finite gradient at update {self.update}; last good checkpoint: {self.last_checkpoint}")
+                die(f"non-finite gradient at update {self.update}; last good checkpoint: {self.last_checkpoint}", code=1)
 
     def after_step(self, model):
         """--ema_beta: the EMA of the policy's weights takes in each optimiser step."""
@@ -175,7 +171,8 @@ class Run:
             rollout["completions/max_length_allowed"] = batch.max_length
         rollout.update(batch.stats)  # --dynamic_sampling: its rounds and groups
         row = self.log_stats(stats, **{**rollout, **metrics})
-        every = max(1, args.num_updates // args.num_sample_generations) if args.num_sample_generations else 0
+        tables = args.num_sample_generations if not args.quiet else 0
+        every = max(1, args.num_updates // tables) if tables else 0
         if accelerator.is_main_process and every and (update - 1) % every == 0:
             print_samples(
                 f"update {update}",
@@ -213,6 +210,8 @@ class Run:
         row.update(reduce_stats(self.accelerator, stats))
         row.update(metrics)
         log_metrics(self.accelerator, self.writer, self.args, row)
+        if self.accelerator.is_main_process and not self.args.quiet:
+            print(update_line(row, self.update, self.args.num_updates), flush=True)
         return row
 
     def evaluate(self):
@@ -273,13 +272,16 @@ class Run:
         card = dict(script=sys.argv[0], algorithm=algorithm, doc=doc, base_model=args.model_name_or_path, sources=self.sources)
         engine = self.sampler.engine if self.sampler is not None else None
         finish(accelerator, args, writer=self.writer, tokenizer=self.tokenizer, ema=self.ema, card=card, engine=engine)
+        if accelerator.is_main_process:
+            print(saved_line(args, accelerator.unwrap_model(self.model)), flush=True)
         if accelerator.is_main_process and isinstance(args, tldr.TldrArgs):
             print(tldr.JUDGE.format(output_dir=args.output_dir))
 
 
-def start(args, k=1, default_reward="sentiment"):
-    """The run: the processes (accelerate), the batch sizes (into args; k completions per prompt; default_reward: the
-    reward source without --reward_fn or --reward_model_path, None: none), the checks that need them, a random stream
+def start(args, k=1, default_reward="sentiment", examples=None):
+    """The run: the processes (accelerate), the batch sizes (into args; k completions per prompt; examples: the rows
+    sft.py, reward.py or dpo.py keep, which --num_train_epochs counts; default_reward: the reward source without
+    --reward_fn or --reward_model_path, None: none), the checks that need them, a random stream
     of its own on each process (its mini-batch shuffles; the prompts and the sampling noise come from a generator every
     process shares, Shuffled), output_dir (a --resume that would change the run is refused), then the tokenizer, the
     prompts, the reward sources, the held-out set and the PTX texts."""
@@ -296,8 +298,8 @@ def start(args, k=1, default_reward="sentiment"):
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
-    if args.total_episodes is None:  # (sft.py, reward.py, dpo.py) --num_train_epochs passes, in whole batches
-        args.total_episodes = max(1, training_examples(args) // args.batch_size) * args.batch_size
+    if args.total_episodes is None:  # (sft.py, reward.py, dpo.py) --num_train_epochs passes over the examples they keep
+        args.total_episodes = max(1, int(args.num_train_epochs * examples) // args.batch_size) * args.batch_size
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1 or args.total_episodes % args.batch_size:
         below = args.num_updates * args.batch_size

@@ -12,7 +12,7 @@ import tyro
 from utils import die
 
 from .data import load_prompts
-from .flags import ScoreArgs
+from .flags import ScoreArgs, check_paths
 
 JUDGE = (
     "judge the final summaries against the references: python tools/judge_tldr.py --samples {output_dir}"
@@ -63,8 +63,9 @@ class TldrArgs(ScoreArgs):
     eval_sources: ClassVar[int] = 1
 
     def __post_init__(self):
-        if self.eval_every < 0 or self.eval_examples < 1 or self.eval_batch_size < 1:
-            die("--eval_every must be >= 0, --eval_examples and --eval_batch_size >= 1")
+        if self.eval_every < 0 or self.eval_examples < 1 or self.eval_batch_size < 1 or self.max_prompt_length < 1:
+            die("--eval_every must be >= 0, --eval_examples, --eval_batch_size and --max_prompt_length >= 1")
+        check_paths(self, "sft_model_path", "reward_model_path", "reward_fn", "dataset_name")
         super().__post_init__()
 
     @property

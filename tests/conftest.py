@@ -171,6 +171,17 @@ def _save_with_tokenizer(model_class, config, seed, tokenizer, path):
     return path
 
 
+def with_chat_template(model_dir, path, template):
+    """model_dir's model and tokenizer saved to path, the tokenizer with this chat template"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_tokenizer_dir, tmp_path_factory):
     from transformers import AutoTokenizer, GPTNeoXForCausalLM

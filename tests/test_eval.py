@@ -95,7 +95,7 @@ def test_evaluation_refusals_are_one_line(run, tmp_path, tiny_model_dir, tiny_pr
     for extra, expected in [
         (f"--eval_dataset_name {tiny_prompts_file} --eval_every -1", "error: --eval_every and --num_eval_generations"),
         (f"--eval_dataset_name {tiny_prompts_file}", "error: --eval_dataset_name"),  # no `target` column
-        ("--eval_dataset_name missing.jsonl", "error: dataset path 'missing.jsonl' does not exist"),
+        ("--eval_dataset_name missing.jsonl", "error: --eval_dataset_name 'missing.jsonl' does not exist"),
     ]:
         proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tmp_path}/train.jsonl"
                    f" --reward_fn {tmp_path}/rewards.py:near {extra} --output_dir {tmp_path}/out", cwd=tmp_path)  # fmt: skip

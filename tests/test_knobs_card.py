@@ -228,7 +228,7 @@ for argv in json.loads(sys.argv[1]):
     try:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
-        print("EXIT " + json.dumps(str(e.code)))
+        print("EXIT " + json.dumps(str(e)))
 """
 
 
@@ -239,7 +239,7 @@ def test_every_script_checks_the_hub_flags_before_loading(tmp_path):
     argvs = []
     for script in ["rloo.py", "ppo.py", "grpo.py", "rloo_tldr.py", "ppo_tldr.py", "distill.py"]:
         model = "--sft_model_path" if "tldr" in script else "--model_name_or_path"
-        flags = f"{model} {tmp_path}/missing --gradient_accumulation_steps 1 --push_to_hub --output_dir {tmp_path}/{script}"
+        flags = f"{model} {tmp_path} --gradient_accumulation_steps 1 --push_to_hub --output_dir {tmp_path}/{script}"
         argvs.append([os.path.join(REPO, script), *flags.split()])
     proc = subprocess.run(
         [sys.executable, str(tmp_path / "run_all.py"), json.dumps(argvs)], capture_output=True, text=True, cwd=tmp_path

@@ -146,8 +146,9 @@ def test_critic_warmup_holds_the_policy_then_trains_it(run, tmp_path, tiny_model
     ],
 )
 def test_bad_flags_are_refused_before_loading_anything(run, tmp_path, script, flags, message):
-    # the model path leads nowhere: the flags are refused before any model is looked for
+    # the model path holds no model: the flags are refused before any model is looked for
     model_flag = "--model_name_or_path" if script == "ppo.py" else "--sft_model_path"
-    proc = run(f"{script} {model_flag} {tmp_path / 'nowhere'} --output_dir {tmp_path / 'out'} {flags}", cwd=tmp_path)
+    (tmp_path / "empty").mkdir()
+    proc = run(f"{script} {model_flag} {tmp_path / 'empty'} --output_dir {tmp_path / 'out'} {flags}", cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: " + message), proc.stderr[-2000:]

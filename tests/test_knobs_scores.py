@@ -200,7 +200,8 @@ def test_ratio_threshold_skips_only_runaway_micro_batches(run, tmp_path, tiny_mo
     ],
 )
 def test_bad_flags_are_one_line_before_any_model_loads(flags, message, run, tmp_path, tiny_prompts_file):
-    # a model that does not exist: the flags must be refused before anything reaches for it
+    # a folder without a model: the flags must be refused before anything reaches for it
+    (tmp_path / "no_model").mkdir()
     proc = run(base("rloo.py", tmp_path / "no_model", tiny_prompts_file, tmp_path / "out", tmp_path, flags), cwd=tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from conftest import REPO, kill_after_rows
+from conftest import REPO, kill_after_rows, with_chat_template
 from safetensors.torch import load_file
 from test_distributed import launch
 from test_reliability import without_eps
@@ -30,14 +30,7 @@ TOPICS = "the river|the old house|a quiet morning|the mountain|my garden|the cit
 @pytest.fixture(scope="session")
 def chat_model_dir(tiny_model_dir, tmp_path_factory):
     """the tiny GPT-NeoX with a chat template (each message ends with its EOS token and a newline)"""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("chat_model"))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(path)
-    return path
+    return with_chat_template(tiny_model_dir, str(tmp_path_factory.mktemp("chat_model")), TEMPLATE)
 
 
 def pairs(n, offset=0, chat=False):
@@ -103,6 +96,43 @@ def test_implicit_prompt_is_what_chosen_and_rejected_share():
     a, b = {"role": "assistant", "content": "good"}, {"role": "assistant", "content": "bad"}
     assert offline.implicit_prompt([user, a], [user, b]) == ([user], [a], [b])
     assert offline.implicit_prompt("Q: sky? A: blue sky", "Q: sky? A: grey") == ("Q: sky? A:", " blue sky", " grey")
+
+
+def trl_extract_prompt(chosen, rejected):
+    """TRL 1.16's trl.data_utils.extract_prompt written out, with one guard (idx > 0): where the first items already
+    differ, TRL's chosen[idx - 1] reads chosen's last character"""
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if idx > 0 and chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def test_implicit_prompt_follows_trls_extract_prompt():
+    """strings cut at the first character that differs, less a space just before it; messages at the first message;
+    one a prefix of the other: up to the shorter's last item (TRL's loop ends there without a break)"""
+    user, other = {"role": "user", "content": "hi"}, {"role": "user", "content": "hey"}
+    a, b = {"role": "assistant", "content": "good"}, {"role": "assistant", "content": "bad"}
+    cases = [
+        ("Q: sky? A: blue", "Q: sky? A: green"),
+        ("Hi there", "Hi thee"),
+        ("Tell me about the river sunny", "Tell me about the river dark"),
+        ("a  b", "a  c"),
+        ("blue sky", "grey sky"),
+        (" blue", " grey"),
+        ("Hi", "Hi there"),
+        ("Hi there", "Hi"),
+        ("Hi ", "Hi there"),
+        ([user, a], [user, b]),
+        ([user, a], [other, b]),
+        ([user, a], [user, a, b]),
+        ([user, other, a], [user, other, b]),
+    ]
+    for chosen, rejected in cases:
+        assert offline.implicit_prompt(chosen, rejected) == trl_extract_prompt(chosen, rejected), (chosen, rejected)
+    assert offline.implicit_prompt("Hi there", "Hi thee") == ("Hi the", "re", "e")
+    assert offline.implicit_prompt("blue sky", "grey sky") == ("", "blue sky", "grey sky")
 
 
 def test_assistant_mask_covers_each_assistant_message_to_its_end_token(chat_model_dir):
@@ -197,6 +227,53 @@ def test_a_pair_runs_its_prompt_once_and_gets_each_completions_logprob_and_score
                 assert rewards[j, side].item() == pytest.approx(score, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.parametrize("prompts", [["", "", ""], ["", "Tell me about the river", ""], ["the", "", "the"]])
+def test_a_pair_with_an_empty_prompt_is_scored_as_trl_does(prompts, tiny_model_dir, eos_model_dir, tiny_reward_model_dir):
+    """Pairs whose prompt renders to no token, alone in a batch (no prompt column at all), beside a longer prompt (the
+    packed path), or beside one-token prompts: each completion's logprob is TRL's, the sum over its tokens after the
+    first (nothing predicts the first), of each row run alone with plain transformers; the DPO losses' (sigmoid, IPO
+    dividing by every completion token, the first included) from those; the reward model's score at the last token."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import dpo
+    import reward
+
+    tok = tokenizer_of(tiny_model_dir)
+    assert len(tok("the")["input_ids"]) == 1 and tok("")["input_ids"] == []
+    data = [{**row, "prompt": p} for row, p in zip(pairs(3), prompts)]
+    rows = offline.pair_rows(tok, rows_dataset(data), "test", max_length=None, truncate=True)
+    assert [len(r["prompt"]) > 0 for r in rows] == [p != "" for p in prompts]
+    batch = pair_batch(tiny_model_dir, rows, tok)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ref = AutoModelForCausalLM.from_pretrained(eos_model_dir).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
+    with torch.no_grad():
+        logprobs, ref_logprobs = dpo.pair_logprobs(policy, batch), dpo.pair_logprobs(ref, batch)
+        rewards = reward.pair_rewards(rm, rm.score, batch)
+        tokens = batch.lengths.reshape(-1, 2)  # (as dpo.py counts them: the first token included)
+        losses = {t: dpo.dpo_loss(logprobs - ref_logprobs, tokens, 0.3, t, 0.0) for t in ("sigmoid", "ipo")}
+        for j, row in enumerate(rows):
+            want = torch.zeros(2, 2, dtype=torch.float64)  # (policy, reference) x (chosen, rejected)
+            for side, completion in enumerate((row["chosen"], row["rejected"])):
+                ids = torch.tensor([row["prompt"] + completion])
+                for m, model in enumerate((policy, ref)):
+                    logits = model(ids).logits[0].double().log_softmax(-1)
+                    first = 0 if row["prompt"] else 1  # TRL's shift: nothing predicts a completion's first token
+                    want[m, side] = sum(
+                        logits[len(row["prompt"]) + t - 1, completion[t]] for t in range(first, len(completion))
+                    )
+                assert logprobs[j, side].item() == pytest.approx(want[0, side].item(), rel=1e-4, abs=1e-4)
+                assert ref_logprobs[j, side].item() == pytest.approx(want[1, side].item(), rel=1e-4, abs=1e-4)
+                score = rm.score(rm.gpt_neox(ids).last_hidden_state)[0, -1, 0].item()
+                assert rewards[j, side].item() == pytest.approx(score, rel=1e-4, abs=1e-5)
+            delta = (want[0] - want[1]).tolist()
+            sigmoid = -math.log(1 / (1 + math.exp(-0.3 * (delta[0] - delta[1]))))
+            n = [len(row["chosen"]), len(row["rejected"])]  # (TRL's IPO divides by the unshifted completion mask)
+            ipo = (delta[0] / n[0] - delta[1] / n[1] - 1 / (2 * 0.3)) ** 2
+            assert losses["sigmoid"][j].item() == pytest.approx(sigmoid, rel=1e-4, abs=1e-5)
+            assert losses["ipo"][j].item() == pytest.approx(ipo, rel=1e-4, abs=1e-5)
+
+
 # the scripts as a user runs them
 
 
@@ -245,6 +322,101 @@ def test_each_script_learns_its_task(script, extra, key, better, run, tmp_path, 
         AutoModelForCausalLM.from_pretrained(out)
     if script == "dpo.py":
         assert evals[-1]["eval/rewards/accuracies"] > 0.5
+
+
+def test_dpo_and_reward_train_on_pairs_whose_prompts_are_empty(run, tmp_path, tiny_model_dir):
+    """16 pairs with `"prompt": ""`: dpo.py's held-out logps before training are the mean of TRL's (each completion's
+    tokens after the first, run alone with plain transformers), its loss log 2 there, every metric finite; reward.py
+    runs, and its saved offset is the mean score of the completions, each run alone, by the saved model."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    rows = [{**row, "prompt": ""} for row in pairs(16)]
+    path = write(tmp_path / "empty.jsonl", rows)
+    common = f"--model_name_or_path {tiny_model_dir} --dataset_name {path} --per_device_train_batch_size 4"
+    common += " --gradient_accumulation_steps 2 --learning_rate 1e-3"
+    check_ok(run(f"dpo.py {common} --eval_dataset_name {path} --output_dir {tmp_path / 'dpo'}", cwd=tmp_path))
+    metrics = read_metrics(tmp_path / "dpo")
+    assert all(math.isfinite(v) for r in metrics for v in r.values())
+    first = next(r for r in metrics if "eval/loss/dpo" in r)
+    assert first["eval/loss/dpo"] == pytest.approx(math.log(2), abs=1e-5) and first["eval/rewards/margins"] == 0
+    tok, model = tokenizer_of(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    completions = {side: [tok(r[side] + tok.eos_token)["input_ids"] for r in rows] for side in ("chosen", "rejected")}
+    for side, ids in completions.items():
+        with torch.no_grad():  # TRL: the first token after an empty prompt is predicted by nothing, left out
+            logps = [model(torch.tensor([c])).logits[0, :-1].log_softmax(-1)[range(len(c) - 1), c[1:]].sum() for c in ids]
+        assert first[f"eval/logps/{side}"] == pytest.approx(sum(logps).item() / 16, rel=1e-4)
+
+    check_ok(run(f"reward.py {common} --output_dir {tmp_path / 'rm'}", cwd=tmp_path))
+    assert all(math.isfinite(v) for r in read_metrics(tmp_path / "rm") for v in r.values())
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    with torch.no_grad():
+        scores = [
+            rm.score(rm.gpt_neox(torch.tensor([c])).last_hidden_state)[0, -1, 0] for v in completions.values() for c in v
+        ]
+    assert rm.config.reward_input["offset"] == pytest.approx(sum(scores).item() / 32, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+def test_an_epoch_is_a_pass_over_the_examples_kept(script, run, tmp_path, tiny_model_dir):
+    """Half of 32 examples left out for --max_length 64 (reward.py: pairs over it; dpo.py: pairs whose prompt fills
+    it; sft.py: rows whose prompt fills it): --num_train_epochs 1 is 16 examples, 2 updates of 8 (as TRL, which
+    filters before it counts), the run update for update the one on a dataset of the 16 kept alone."""
+    rows, kept = [], []
+    for i, row in enumerate(pairs(32)):
+        if script == "sft.py":
+            row = {"prompt": row["prompt"], "completion": row["chosen"]}
+        if i % 2 and script == "reward.py":
+            row["chosen"] += " " + " ".join(GOOD * 2)  # (about 60 tokens more)
+        elif i % 2:
+            row["prompt"] = f"Tell me about {TOPICS[i % 8]} " * 6  # (over 64 tokens)
+        rows.append(row)
+        kept += [] if i % 2 else [row]
+    outs = []
+    for name, data in [("all", rows), ("kept", kept)]:
+        out = tmp_path / name
+        proc = run(
+            f"{script} --model_name_or_path {tiny_model_dir} --dataset_name {write(tmp_path / f'{name}.jsonl', data)}"
+            f" --max_length 64 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --learning_rate 1e-3"
+            f" --no_save_model --output_dir {out}",
+            cwd=tmp_path,
+        )
+        check_ok(proc)
+        assert ("note: 16 of 32" in proc.stdout) == (name == "all")
+        saved = json.loads((out / "args.json").read_text())
+        assert (saved["total_episodes"], saved["num_updates"]) == (16, 2)
+        outs.append(without_eps(read_metrics(out)))
+    assert len(outs[0]) == 2 + (script == "reward.py") and outs[0] == outs[1]  # (2 updates; reward.py's offset)
+
+
+def test_sft_leaves_out_the_rows_with_no_token_to_learn_within_max_length(tiny_model_dir, tmp_path, capsys):
+    """A row whose prompt fills --max_length is left out with one note (TRL drops it after its cut), the others kept
+    as rendered, cut to --max_length; every row left out: one error line. reward.py's reference completions
+    (--normalize_dataset_name), read the same way, say they have no completion token."""
+    import utils
+
+    tok = tokenizer_of(tiny_model_dir)
+    rows = [{"prompt": f"Tell me about {TOPICS[i]}" + (" and more" * 20 if i % 3 == 1 else ""), "completion": " sunny."}
+            for i in range(6)]  # fmt: skip
+    got = offline.sft_rows(tok, rows_dataset(rows), "t", 48, None, False)
+    # naive: each row as prompt + completion + EOS, cut to 48 tokens, kept where a completion token is left
+    want = []
+    for row in rows:
+        ids, prompt = tok(row["prompt"] + row["completion"] + tok.eos_token)["input_ids"], tok(row["prompt"])["input_ids"]
+        if len(prompt) < 48:
+            want.append(ids[:48])
+    assert [r["ids"] for r in got] == want and len(want) == 4
+    assert capsys.readouterr().out == "note: 2 of 6 rows in t have no token to learn within --max_length 48: left out\n"
+    with pytest.raises(utils.Stopped):
+        offline.sft_rows(tok, rows_dataset([rows[1], rows[4]]), "t", 48, None, False)
+    assert capsys.readouterr().err == "error: every row in t has no token to learn within --max_length 48\n"
+
+    run = types.SimpleNamespace(
+        args=types.SimpleNamespace(seed=1, max_length=48), tokenizer=tok, device=torch.device("cpu"), accelerator=None
+    )
+    references = offline.load_references(run, write(tmp_path / "references.jsonl", rows), "train")
+    assert [r["ids"] for r in references.rows] == want
+    note = capsys.readouterr().out
+    assert note.startswith("note: 2 of 6 rows in dataset") and "have no completion token within --max_length 48" in note
 
 
 def test_the_sft_loss_is_the_mean_over_every_learnt_token_of_the_batch(run, tmp_path, tiny_model_dir, data):
@@ -334,6 +506,7 @@ def test_kill_then_resume_continues_exactly(script, run, tmp_path, tiny_model_di
         ("reward.py", [{"prompt": "a", "chosen": " b", "rejected": " b"}], "row 0: chosen is identical to rejected"),
         ("sft.py", [{"prompt": "a", "completion": ""}], "row 0: empty completion"),
         ("sft.py", [{"question": "a"}], "needs a `messages`, `prompt` and `completion`, or `text` column"),
+        ("dpo.py", [{"prompt": "a", "chosen": " b", "rejected": " c", "tools": '[{"name": '}], "a `tools` value is not JSON"),
     ],
 )
 def test_bad_data_stops_in_one_line_before_any_work(script, rows, error, run, tmp_path, tiny_model_dir):

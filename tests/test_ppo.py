@@ -220,9 +220,10 @@ def test_bad_ppo_flags(run, tmp_path, tiny_model_dir, tiny_prompts_file):
 
 @pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
 def test_kl_loss_refuses_k1_before_loading_anything(run, tmp_path, script):
-    # the model path leads nowhere: the flags are refused before any model is looked for
+    # the model path holds no model: the flags are refused before any model is looked for
     model_flag = "--model_name_or_path" if script == "ppo.py" else "--sft_model_path"
-    command = f"{script} {model_flag} {tmp_path / 'nowhere'} --output_dir {tmp_path / 'out'} --kl_penalty loss"
+    (tmp_path / "empty").mkdir()
+    command = f"{script} {model_flag} {tmp_path / 'empty'} --output_dir {tmp_path / 'out'} --kl_penalty loss"
     proc = run(command + " --kl_estimator k1", cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]

@@ -1,0 +1,248 @@
+"""Every input a user brings gives one line before any work: each number of every script's flags outside its range, a
+malformed dataset file (named by its line), a mistyped local path (said at once, never looked up on the hub), an
+unreadable reward function file; and the console says what the run does: a line per update, where it writes, how the
+saved model loads, without the warnings the project knows to be harmless."""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import typing
+
+import pytest
+from conftest import REPO
+from test_rloo import check_ok, read_metrics
+
+SCRIPTS = ["rloo.py", "ppo.py", "grpo.py", "distill.py", "sft.py", "reward.py", "dpo.py", "rloo_tldr.py", "ppo_tldr.py"]
+PROBES = {int: [-1, 0], float: [-1.0, 0.0, math.nan, math.inf], tuple: [math.nan, math.inf]}
+# the probes each number may take (0 or below has a meaning there): every other probe must be refused
+ALLOWED = {
+    "stop_token_id": [0], "max_staleness": [0], "eval_every": [0], "num_eval_generations": [0], "seed": [0],
+    "checkpoint_every": [0], "num_sample_generations": [0], "critic_warmup_updates": [0], "learning_rate": [0.0],
+    "vllm_importance_sampling_clip_min": [0.0], "missing_eos_penalty": [0.0], "max_grad_norm": [0.0], "ema_beta": [0.0],
+    "ptx_coef": [0.0], "kl_coef": [0.0], "cliprange": [0.0], "cliprange_value": [0.0], "vf_coef": [0.0], "gamma": [0.0],
+    "lam": [0.0], "entropy_coef": [-1.0, 0.0], "top_entropy_quantile": [0.0], "epsilon": [0.0], "epsilon_high": [0.0],
+    "beta": [0.0], "lmbda": [0.0], "label_smoothing": [0.0], "center_rewards_coefficient": [0.0],
+    "reward_weights": [],
+}  # fmt: skip
+ALLOWED_IN = {("dpo.py", "beta"): []}  # (DPO's beta divides: it must be positive)
+WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
+NAMED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}  # (the deprecated flag sets the other)
+
+
+class ModelLoaded(Exception):
+    pass
+
+
+def script_module(script):
+    spec = importlib.util.spec_from_file_location(f"script_{script[:-3]}", os.path.join(REPO, script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def numbers(args_cls):
+    """(flag, int, float or tuple) of each number a user can set"""
+    hints = typing.get_type_hints(args_cls)
+    for field in dataclasses.fields(args_cls):
+        if "Suppress" in str(field.type):  # (the sizes filled in at runtime)
+            continue
+        kinds = set(typing.get_args(hints[field.name])) | {hints[field.name]}
+        if any(typing.get_origin(k) is tuple and float in typing.get_args(k) for k in kinds):
+            yield field.name, tuple
+        elif float in kinds:
+            yield field.name, float
+        elif int in kinds and bool not in kinds:
+            yield field.name, int
+
+
+@pytest.fixture
+def offline_data(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": " yes", "rejected": " no"}) + "\n" for i in range(8)))
+    examples = tmp_path / "sft.jsonl"
+    examples.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": " yes"}) + "\n" for i in range(8)))
+    return {"sft.py": str(examples), "reward.py": str(pairs), "dpo.py": str(pairs)}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_number_outside_its_range_is_one_line_before_any_model_loads(
+    script, tmp_path, monkeypatch, capsys, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir, offline_data
+):
+    """Each number of the script's flags, at -1 and 0 (floats also NaN and inf), through the script's own main(): every
+    probe outside the flag's range stops with status 2 and one line naming the flag, before any model loads (a model
+    load raises here) and with nothing written; and the same flags without the probe reach the model load."""
+    import transformers
+
+    def load(*args, **kwargs):
+        raise ModelLoaded()
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(load))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    module = script_module(script)
+    out = tmp_path / "out"
+    base = {"model_name_or_path": tiny_model_dir, "dataset_name": tiny_prompts_file, "output_dir": str(out)}
+    if "tldr" in script:
+        base = {"sft_model_path": tiny_model_dir, "reward_model_path": tiny_reward_model_dir, "dataset_name": tldr_dir}
+        base["output_dir"] = str(out)
+    if script in offline_data:
+        base["dataset_name"] = offline_data[script]
+    if script == "distill.py":
+        base["teacher_model_name_or_path"] = tiny_model_dir
+
+    def outcome(flags):
+        capsys.readouterr()
+        try:
+            module.main(module.Args(**flags))
+        except ModelLoaded:
+            return "loaded", None
+        except SystemExit as e:
+            return e.code, capsys.readouterr().err.strip().splitlines()
+        return "ran", None
+
+    assert outcome(base) == ("loaded", None)  # the harness: valid flags get as far as loading a model
+    probed = 0
+    for name, kind in numbers(module.Args):
+        allowed = ALLOWED_IN.get((script, name), ALLOWED.get(name, []))
+        for value in PROBES[kind]:
+            if value in allowed or (isinstance(value, float) and math.isnan(value) and any(map(math.isnan, allowed))):
+                continue
+            probe = (value,) if kind is tuple else value
+            code, lines = outcome({**base, **WITH.get(name, {}), name: probe})
+            assert code == 2, f"--{name} {value}: {code}"
+            assert lines[-1].startswith("error: ") and f"--{NAMED.get(name, name)}" in lines[-1], (name, value, lines)
+            assert not out.exists() and not os.listdir(tmp_path / "cwd")
+            probed += 1
+    assert probed >= 20
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("rloo.py", "--per_device_train_batch_size 0", "--per_device_train_batch_size must be at least 1, got 0"),
+        ("grpo.py", "--gradient_accumulation_steps 0", "--gradient_accumulation_steps must be at least 1, got 0"),
+        ("sft.py", "--gradient_accumulation_steps 0", "--gradient_accumulation_steps must be at least 1, got 0"),
+        ("dpo.py", "--learning_rate -1", "--learning_rate and --max_grad_norm (0: no clipping) must be >= 0"),
+        ("ppo.py", "--temperature nan", "--temperature must be a finite number, got nan"),
+    ],
+)
+def test_run_values_below_range_stop_the_process_in_one_line(script, flags, message, run, tmp_path):
+    """As a user types them, with the default model: status 2, one line, nothing written."""
+    (tmp_path / "cwd").mkdir()
+    proc = run(f"{script} {flags}", cwd=tmp_path / "cwd")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {message}"
+    assert not os.listdir(tmp_path / "cwd")
+
+
+MALFORMED = {
+    "unterminated": ('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c}\n', "line 3: Unterminated string starting at"),
+    "trailing_comma": ('{"prompt": "a"}\n{"prompt": "b",}\n', "line 2: Expecting property name enclosed in double quotes"),
+    "truncated": ('{"prompt": "a"}\n{"prompt": "b"', "line 2: Expecting ',' delimiter"),
+    "not_an_object": ('{"prompt": "a"}\n["b"]\n', "line 2: a row must be a JSON object, got list"),
+}
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "dpo.py", "sft.py"])
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_dataset_file_is_one_line_naming_the_line(script, case, run, tmp_path, tiny_model_dir):
+    text, message = MALFORMED[case]
+    if script != "rloo.py":  # (the rows' columns do not matter: the file does not parse)
+        text = text.replace('"prompt"', '"text"')
+    path = tmp_path / "data.jsonl"
+    path.write_text(text)
+    out = tmp_path / "out"
+    proc = run(f"{script} --model_name_or_path {tiny_model_dir} --dataset_name {path} --output_dir {out}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot read dataset '{path}': {path}, {message}"), last
+    assert "DatasetGenerationError" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("rloo.py", "--model_name_or_path output/no_such_sft", "--model_name_or_path 'output/no_such_sft' does not exist"),
+        ("sft.py", "--model_name_or_path output/no_such_sft", "--model_name_or_path 'output/no_such_sft' does not exist"),
+        ("dpo.py", "--dataset_name data/my_pairs", "--dataset_name 'data/my_pairs' does not exist"),
+        ("grpo.py", "--reward_model_path output/reward", "--reward_model_path 'output/reward' does not exist"),
+        ("rloo.py", "--eval_dataset_name data/test", "--eval_dataset_name 'data/test' does not exist"),
+        ("rloo.py", "--reward_fn data/rewards.py:score", "--reward_fn 'data/rewards.py:score': the file 'data/rewards.py'"),
+        ("reward.py", "--chat_template chat.jinja", "--chat_template 'chat.jinja' does not exist"),
+    ],
+)
+def test_a_mistyped_local_path_is_said_at_once(script, flags, message, run, tmp_path):
+    """A path that can only be local (under output/, where the scripts write, or a folder that exists here) is refused
+    as it is parsed, never looked up on the hub (where, without a network, it spent a minute in retries; the tests run
+    offline, where a look-up would end in another line)."""
+    (tmp_path / "data").mkdir()
+    proc = run(f"{script} {flags}", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), proc.stderr
+    assert os.listdir(tmp_path) == ["data"] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("def f(prompts, completions):\n    return [0.0 for c in completions\n", "line 2: '[' was never closed"),
+        ("import no_such_package_xyz\n", "cannot be read or imported: No module named 'no_such_package_xyz'"),
+    ],
+)
+def test_an_unreadable_reward_function_file_is_one_line(source, message, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    (tmp_path / "rewards.py").write_text(source)
+    out = tmp_path / "out"
+    flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --output_dir {out}"
+    proc = run(f"rloo.py {flags} --reward_fn {tmp_path}/rewards.py:f", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --reward_fn file '{tmp_path}/rewards.py'") and message in last, last
+    assert not out.exists()
+
+
+def test_the_console_tells_each_update_where_the_run_writes_and_how_the_model_loads(
+    tmp_path, tiny_llama_dir, tiny_prompts_file
+):
+    """A fresh interpreter, as a user runs it, on a model with tied embeddings, checkpointing every update: a line per
+    update (its score, KL, length, learning rate, speed), where it writes at the start, how the saved model loads at
+    the end (the line's own call loads it), and neither DeepSpeed's "no GPU" warning nor accelerate's tied-weights one.
+    With --quiet: neither the update lines nor the configuration, still where it writes. A second run into the folder
+    is refused, offering --resume only where a checkpoint exists."""
+    out = tmp_path / "out"
+    flags = f"--model_name_or_path {tiny_llama_dir} --dataset_name {tiny_prompts_file} --rloo_k 2 --response_length 6"
+    flags += f" --total_episodes 32 --num_sample_generations 0 --checkpoint_every 1 --output_dir {out}"
+    script = os.path.join(REPO, "rloo.py")
+    proc = subprocess.run([sys.executable, script, *flags.split()], cwd=tmp_path, capture_output=True, text=True)
+    check_ok(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert f"writing to {out}: metrics.jsonl, TensorBoard logs (runs/), the model at the end" in lines
+    updates = [line for line in lines if line.startswith("update ")]
+    rows = read_metrics(out)
+    assert len(updates) == len(rows) == 2
+    for line, row in zip(updates, rows):
+        expected = f"update {rows.index(row) + 1}/2  episode {row['episode']}  score {row['objective/scores']:.4g}  kl "
+        assert line.startswith(expected) and f"  lr {row['lr']:.4g}  " in line and line.endswith(" episodes/s"), line
+    last = lines[-1]
+    assert last.startswith(f"done: the model in {out}, transformers.AutoModelForCausalLM.from_pretrained('{out}')"), last
+    import transformers
+
+    assert isinstance(transformers.AutoModelForCausalLM.from_pretrained(str(out)), transformers.LlamaForCausalLM)
+    assert "Setting accelerator to CPU" not in proc.stderr and "Removed shared tensor" not in proc.stderr + proc.stdout
+
+    again = subprocess.run([sys.executable, script, *flags.split()], cwd=tmp_path, capture_output=True, text=True)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith("or add --resume to continue it")
+    quiet = tmp_path / "quiet"
+    proc = subprocess.run(
+        [sys.executable, script, *flags.replace(str(out), str(quiet)).split(), "--quiet", "--checkpoint_every", "0"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    check_ok(proc)
+    assert not any(line.startswith(("update ", "Args(")) for line in proc.stdout.splitlines())
+    assert f"writing to {quiet}: metrics.jsonl, TensorBoard logs (runs/), the model at the end" in proc.stdout
+    again = subprocess.run([sys.executable, script, *flags.replace(str(out), str(quiet)).split()], cwd=tmp_path,
+                           capture_output=True, text=True)  # fmt: skip
+    last = again.stderr.strip().splitlines()[-1]
+    assert again.returncode == 2 and last.endswith("already holds a run (metrics.jsonl): choose another folder"), last
