@@ -7,13 +7,38 @@ logged) and TRL's metrics beside ours (rewards/chosen, rejected, margins, accura
 apart the gradients before clipping are, and how far apart the weights after the step (TRL's policy against the
 model.safetensors dpo.py saved). A relative difference near 1e-5 is float32 rounding.
 
-    python benchmark/same_update/same_update_dpo.py --seed 1                      # sigmoid, chat messages
-    python benchmark/same_update/same_update_dpo.py --seed 1 --loss_type ipo      # and hinge
-    python benchmark/same_update/same_update_dpo.py --seed 1 --format string      # strings, EOS appended
+    python benchmark/same_update/same_update_dpo.py --seed 1                          # sigmoid, chat messages
+    python benchmark/same_update/same_update_dpo.py --seed 1 --loss_type ipo          # and hinge
+    python benchmark/same_update/same_update_dpo.py --seed 1 --format string          # strings, EOS appended
+    python benchmark/same_update/same_update_dpo.py --seed 1 --format empty_prompt    # and --loss_type ipo
+    python benchmark/same_update/same_update_dpo.py --seed 1 --format implicit        # no prompt column
 
 The data: data/preferences.jsonl's 256 pairs (an explicit prompt, chosen and rejected chat messages); --format string
-makes them strings ("Question: <the user's message>\\nAnswer:", " <completion>"; both sides append the EOS). The
-batch: 8 pairs drawn by dpo.py with --seed, micro-batches of 4 pairs, two gradient-accumulation steps. SmolLM2-135M-
+makes them strings ("Question: <the user's message>\\nAnswer:", " <completion>"; both sides append the EOS), and two
+more formats hold the same strings otherwise split:
+  --format empty_prompt: "prompt": "", chosen and rejected the whole "Question: <message>\\nAnswer: <completion>".
+      The prompt renders to no tokens (SmolLM2's tokenizer adds no BOS), so nothing predicts a completion's first
+      token ("Question", in chosen and rejected alike). TRL's DataCollatorForPreference puts the completion at column
+      0 (dpo_trainer.py:350-353, then flush_left) and its fused LM head drops the first label (trl/trainer/utils.py:
+      1617-1619, hidden states [:, :-1] against labels[:, 1:]): the logps sum every completion token but the first
+      (dpo_trainer.py:1297-1304), while IPO divides by completion_mask's full count, the first token included
+      (1399-1401). dpo.py leaves the first token out of the sum (Batch.logprob_mask: its logits would read the
+      padding column before it) and its IPO divides by the completion's whole length. The first token's log-ratio is
+      the same in chosen and rejected, so it cancels in the sigmoid and hinge losses and shows there in logps/ and
+      rewards/chosen and rejected only; IPO, which divides each side by its own length, has it in its loss and
+      gradients (--loss_type ipo).
+  --format implicit: no prompt column; chosen and rejected the whole 'Question: <message>\\nAnswer: "<completion>"',
+      the answer in quotes. Each side finds the prompt itself: TRL's _prepare_dataset maps extract_prompt over the
+      pairs (dpo_trainer.py:1051-1054; trl/data_utils.py:623-632: cut at the first character that differs, moved
+      before the space just before it if there is one), dpo.py with infra.offline.implicit_prompt, the same rule.
+      The quotes make the rule matter: the first character that differs (most often the answer's first) follows the
+      opening quote, not a space, so the prompt ends with ' "' (or inside a word the two answers share: '..."Th' for
+      "The weather..." against "Thunderbolts..."; both sides then end the prompt's tokens where those of the prompt
+      alone and of prompt + completion part, dpo_trainer.py:1106-1109), where the rule dpo.py had before (the text up
+      to the last space before the first difference) cut these after "Answer:" and left ' "' to the completions. The script
+      prints on how many pairs that rule's split, given to TRL's own _prepare_dataset as an explicit prompt, renders
+      to other tokens than TRL's extraction.
+The batch: 8 pairs drawn by dpo.py with --seed, micro-batches of 4 pairs, two gradient-accumulation steps. SmolLM2-135M-
 Instruct, fp32, beta 0.1, learning rate 1e-6 (both defaults) at its full value for the step, AdamW eps 1e-5, no
 weight decay, gradients clipped at 1.0. At a run's first step the policy is its reference, every log-ratio is 0 and
 the implicit rewards say nothing, so the policy here is the initial weights plus Gaussian noise (--noise 0.02: each
@@ -60,7 +85,9 @@ from benchmark import harness  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the batch (dpo.py's draw), its order, the noise")
-parser.add_argument("--format", choices=["chat", "string"], default="chat", help="the pairs' format")
+parser.add_argument(
+    "--format", choices=["chat", "string", "empty_prompt", "implicit"], default="chat", help="the pairs' format"
+)
 parser.add_argument("--loss_type", choices=["sigmoid", "ipo", "hinge"], default="sigmoid")
 parser.add_argument("--beta", type=float, default=0.1)
 parser.add_argument("--model", default=harness.SMOLLM2)
@@ -71,21 +98,27 @@ PER_DEVICE, ACCUMULATION = 4, 2
 BATCH = PER_DEVICE * ACCUMULATION
 tmp = tempfile.mkdtemp()
 
+
+def strings(pair, form):
+    """a pair's question and completions as strings, in --format's columns"""
+    question, chosen, rejected = (pair[key][0]["content"] for key in ("prompt", "chosen", "rejected"))
+    text = f"Question: {question}\nAnswer:"
+    if form == "string":
+        return {"prompt": text, "chosen": f" {chosen}", "rejected": f" {rejected}"}
+    if form == "empty_prompt":  # the whole text a completion, after a prompt of no tokens
+        return {"prompt": "", "chosen": f"{text} {chosen}", "rejected": f"{text} {rejected}"}
+    # implicit: no prompt column; the answers quoted, so that the first character that differs follows no space
+    return {"chosen": f'{text} "{chosen}"', "rejected": f'{text} "{rejected}"'}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # 1. the data file both sides read
 data = os.path.join(REPO, "data", "preferences.jsonl")
-if cli.format == "string":
-    data = os.path.join(tmp, "pairs_string.jsonl")
+if cli.format != "chat":
+    data = os.path.join(tmp, f"pairs_{cli.format}.jsonl")
     with open(os.path.join(REPO, "data", "preferences.jsonl")) as f, open(data, "w") as out:
         for line in f:
-            pair = json.loads(line)
-            row = {key: pair[key][0]["content"] for key in ("prompt", "chosen", "rejected")}
-            row["prompt"], row["chosen"], row["rejected"] = (
-                f"Question: {row['prompt']}\nAnswer:",
-                f" {row['chosen']}",
-                f" {row['rejected']}",
-            )
-            out.write(json.dumps(row) + "\n")
+            out.write(json.dumps(strings(json.loads(line), cli.format)) + "\n")
 
 # the policy both sides start from: the reference plus noise
 policy_dir = os.path.join(tmp, "policy")
@@ -168,6 +201,22 @@ same = sum(
     for i, r in enumerate(rows)
 )
 print(f"rendering: {same} of {len(rows)} pairs the same prompt, chosen and rejected tokens")
+if cli.format == "implicit":  # the rule dpo.py had: the prompt up to the last space before the first difference
+
+    def last_space(pair):
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        n = next((n for n, (x, y) in enumerate(zip(chosen, rejected)) if x != y), min(len(chosen), len(rejected)))
+        n = max(chosen.rfind(" ", 0, n + 1), 0) if n < min(len(chosen), len(rejected)) else n
+        return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+    pairs = datasets.load_dataset("json", data_files=data, split="train").map(last_space)
+    before = trainer._prepare_dataset(pairs, trainer.processing_class, config, "last-space")  # TRL's rendering
+    apart = [i for i in range(len(rows)) if [before[i][f"{part}_ids"] for part in ("prompt", "chosen", "rejected")]
+             != [prepared[i][f"{part}_ids"] for part in ("prompt", "chosen", "rejected")]]  # fmt: skip
+    print(
+        f"the last-space rule, split so and rendered by TRL: other tokens on {len(apart)} of {len(rows)} pairs, "
+        f"{sum(i in apart for i in order)} of the batch's {len(order)}"
+    )
 lengths = [(len(rows[i]["prompt"]), len(rows[i]["chosen"]), len(rows[i]["rejected"])) for i in order]
 print(f"the batch: pairs {order}, tokens (prompt, chosen, rejected) {lengths}")
 

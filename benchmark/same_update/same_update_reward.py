@@ -10,17 +10,31 @@ saved). A relative difference near 1e-5 is float32 rounding.
     python benchmark/same_update/same_update_reward.py --seed 1                    # chat messages
     python benchmark/same_update/same_update_reward.py --seed 1 --format string    # strings, EOS appended
     python benchmark/same_update/same_update_reward.py --seed 1 --format string --trl_pad_token "<|endoftext|>"
+    python benchmark/same_update/same_update_reward.py --seed 1 --format empty_prompt --trl_pad_token "<|endoftext|>"
+    python benchmark/same_update/same_update_reward.py --seed 1 --format implicit --trl_pad_token "<|endoftext|>"
 
 The data: data/preferences.jsonl's 256 pairs (an explicit prompt, chosen and rejected chat messages) with a `margin`
 column, score_chosen - score_rejected (0 to 1); --format string makes them strings ("Question: <the user's
-message>\\nAnswer:", " <completion>"; both sides append the EOS). The batch: 8 pairs drawn by reward.py with --seed,
-micro-batches of 4 pairs, two gradient-accumulation steps. The model: SmolLM2-135M-Instruct with a one-output score
-head (AutoModelForSequenceClassification, num_labels=1) that reward.py's init_value_head draws with --seed, saved
-once into a folder both sides load, so both start from the same head; fp32. Loss on both sides:
--logsigmoid(r_chosen - r_rejected - margin).mean() + 0.01 * mean((r_chosen + r_rejected)^2) per micro-batch
-(reward.py --center_rewards_coefficient 0.01 = RewardConfig(center_rewards_coefficient=0.01)), divided by the
-accumulation steps; learning rate 1e-4 (both defaults) at its full value for the step, AdamW eps 1e-5, no weight
-decay, gradients clipped at 1.0.
+message>\\nAnswer:", " <completion>"; both sides append the EOS), and two more formats hold the same strings otherwise
+split (same_update_dpo.py's, where the split matters):
+  --format empty_prompt: "prompt": "", chosen and rejected the whole "Question: <message>\\nAnswer: <completion>": a
+      prompt of no tokens (SmolLM2's tokenizer adds no BOS). TRL joins prompt and completion into one text
+      (reward_trainer.py:705-707) and tokenizes it (722-725); reward.py renders a prompt of no tokens and the
+      completion (its batch holds one padding column before it) and reads the score at the completion's last token.
+  --format implicit: no prompt column; chosen and rejected the whole 'Question: <message>\\nAnswer: "<completion>"'.
+      TRL's RewardTrainer extracts no prompt: it tokenizes chosen and rejected whole (722-725). reward.py splits them
+      by TRL's extract_prompt rule (infra.offline.implicit_prompt) and renders the prompt + completion as one text,
+      so the tokens it scores are the whole text's wherever the cut falls: this checks that a prompt-less pair, whose
+      prompt (ending with ' "', or inside a word the two answers share) is no rendering of its own, is read whole.
+  Both formats end each completion with the EOS, the pad token, as --format string does: --trl_pad_token
+  "<|endoftext|>" compares them like for like (below).
+The batch: 8 pairs drawn by reward.py with --seed, micro-batches of 4 pairs, two gradient-accumulation steps. The
+model: SmolLM2-135M-Instruct with a one-output score head (AutoModelForSequenceClassification, num_labels=1) that
+reward.py's init_value_head draws with --seed, saved once into a folder both sides load, so both start from the same
+head; fp32. Loss on both sides: -logsigmoid(r_chosen - r_rejected - margin).mean() + 0.01 * mean((r_chosen +
+r_rejected)^2) per micro-batch (reward.py --center_rewards_coefficient 0.01 =
+RewardConfig(center_rewards_coefficient=0.01)), divided by the accumulation steps; learning rate 1e-4 (both defaults)
+at its full value for the step, AdamW eps 1e-5, no weight decay, gradients clipped at 1.0.
 
 Our side is reward.main as `python reward.py --total_episodes 8 --per_device_train_batch_size 4
 --gradient_accumulation_steps 2 --center_rewards_coefficient 0.01 ...` runs it, watched (harness.StepWatch); its
@@ -62,7 +76,9 @@ from utils import init_value_head  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the batch (reward.py's draw), its order and the head")
-parser.add_argument("--format", choices=["chat", "string"], default="chat", help="the pairs' format")
+parser.add_argument(
+    "--format", choices=["chat", "string", "empty_prompt", "implicit"], default="chat", help="the pairs' format"
+)
 parser.add_argument("--model", default=harness.SMOLLM2)
 parser.add_argument("--learning_rate", type=float, default=1e-4)
 parser.add_argument("--center_rewards_coefficient", type=float, default=0.01)
@@ -72,20 +88,28 @@ PER_DEVICE, ACCUMULATION = 4, 2
 BATCH = PER_DEVICE * ACCUMULATION
 tmp = tempfile.mkdtemp()
 
+
+def strings(pair, form):
+    """a pair's question and completions as strings, in --format's columns (same_update_dpo.py's)"""
+    question, chosen, rejected = (pair[key][0]["content"] for key in ("prompt", "chosen", "rejected"))
+    text = f"Question: {question}\nAnswer:"
+    if form == "string":
+        return {"prompt": text, "chosen": f" {chosen}", "rejected": f" {rejected}"}
+    if form == "empty_prompt":  # the whole text a completion, after a prompt of no tokens
+        return {"prompt": "", "chosen": f"{text} {chosen}", "rejected": f"{text} {rejected}"}
+    # implicit: no prompt column; the answers quoted, so that the first character that differs follows no space
+    return {"chosen": f'{text} "{chosen}"', "rejected": f'{text} "{rejected}"'}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # 1. the data file both sides read, and the reward model both start from
 data = os.path.join(tmp, f"pairs_{cli.format}.jsonl")
 with open(os.path.join(REPO, "data", "preferences.jsonl")) as f, open(data, "w") as out:
     for line in f:
         pair = json.loads(line)
-        row = {key: pair[key] for key in ("prompt", "chosen", "rejected")}
-        if cli.format == "string":
-            row = {key: value[0]["content"] for key, value in row.items()}
-            row["prompt"], row["chosen"], row["rejected"] = (
-                f"Question: {row['prompt']}\nAnswer:",
-                f" {row['chosen']}",
-                f" {row['rejected']}",
-            )
+        row = (
+            {key: pair[key] for key in ("prompt", "chosen", "rejected")} if cli.format == "chat" else strings(pair, cli.format)
+        )
         row["margin"] = pair["score_chosen"] - pair["score_rejected"]
         out.write(json.dumps(row) + "\n")
 start_model = os.path.join(tmp, "reward_start")
