@@ -1,6 +1,8 @@
-"""Datasets and prompts: reading a dataset, rendering prompts (chat templates, tools' schemas) and dataset completions,
-the prompts' draw and its noise (Shuffled, draw_prompts), the held-out set, the PTX texts, and the helpers that pad,
-cut and gather a batch's rows (and distill.py's teacher_view: a batch with another column's prompts).
+"""Datasets and prompts: where a model or dataset argument is (a local path refused at once where it is missing),
+reading a dataset (a file that does not parse named by its line), rendering prompts (chat templates, tools' schemas)
+and dataset completions, the prompts' draw and its noise (Shuffled, draw_prompts), the held-out set, the PTX texts,
+and the helpers that pad, cut and gather a batch's rows (and distill.py's teacher_view: a batch with another column's
+prompts).
 """
 
 import dataclasses
@@ -13,7 +15,53 @@ import torch
 
 from utils import INVALID_LOGPROB, die, logprobs_from_logits, pad_cat
 
-from .flags import looks_local
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
+
+
+def looks_local(name):
+    """Whether a model or dataset argument can only mean a local path, so that one that does not exist is refused at
+    once rather than looked up on the hub (a minute of retries without a network): it starts with '.', '/' or '~',
+    has more than one '/' (a hub id is 'name' or 'owner/name'), ends with a file type, or starts with one of this
+    repository's folders (output/, where the scripts write, data/, examples/)."""
+    local = name.startswith((".", "/", "~", "output/", "data/", "examples/")) or name.lower().endswith(FILE_TYPES)
+    return local or name.count("/") > 1
+
+
+def check_paths(args, *flags):
+    """These flags' values (a name, or a tuple of names), each one that can only be local (looks_local(), a chat
+    template, the file of a 'file.py:name' spec) found here, or, given relative, in this repository (its data/ and
+    examples/, so that the README's commands run from any folder) and then made that file's path; else one line."""
+    for flag in flags:
+        value = getattr(args, flag)
+        names = [found(flag, name) for name in (value if isinstance(value, tuple) else (value,))]
+        setattr(args, flag, tuple(names) if isinstance(value, tuple) else names[0])
+
+
+def found(flag, name):
+    if not name or os.path.exists(name):
+        return name
+    spec = ":" in name and not flag.endswith("path")  # (--reward_fn 'file.py:name', --environment '[key=]file.py:Class')
+    key, rest = name.split("=", 1) if flag == "environment" and "=" in name.split(":")[0] else (None, name)
+    where = rest.rsplit(":", 1)[0] if spec else rest
+    if (spec and not where.endswith(".py")) or os.path.exists(where):
+        return name  # (or a module's name)
+    if where.startswith(("data/", "examples/")) and os.path.exists(os.path.join(REPO, where)):
+        note(f"--{flag} {where!r} is not in the working directory: this repository's {os.path.join(REPO, where)}")
+        rest = os.path.join(REPO, where) + rest[len(where) :]
+        return rest if key is None else f"{key}={rest}"
+    near = "".join(f" (did you mean {p!r}?)" for p in sorted(glob.glob(glob.escape(where) + ".*"))[:1])
+    if spec:
+        die(f"--{flag} {name!r}: the file {where!r} does not exist{near}")
+    if flag == "chat_template" or looks_local(name):
+        die(f"--{flag} {name!r} does not exist (a local path, not a hub id){near}")
+    return name
+
+
+def note(msg):
+    """One line, once: on the main process (RANK 0, which accelerate's launchers set before the script starts)"""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {msg}", flush=True)
 
 
 def read_dataset(dataset_name, split):
@@ -48,20 +96,38 @@ def read_dataset(dataset_name, split):
 
 
 def malformed(name):
-    """Where a local JSON Lines or JSON file (or a folder's) first fails to parse, as "file, line N: the parser's
-    message (column C)"; None where every one parses."""
+    """Where a local .json or .jsonl file (or a folder's) first fails to parse, as "file, line N: the parser's message
+    (column C)"; None where each parses, or cannot be read here (the caller then says what datasets said)."""
     files = [name] if os.path.isfile(name) else sorted(glob.glob(os.path.join(name, "**", "*.json*"), recursive=True))
-    for path in files:
-        with open(path) as f:
-            text = f.read()
-        lines = text.splitlines() if path.endswith(".jsonl") else [text]
-        for n, line in enumerate(lines, 1):
+    for path in [p for p in files if p.endswith((".json", ".jsonl"))]:
+        try:
+            error = json_error(path)
+        except (OSError, ValueError):
+            continue
+        if error:
+            return f"{path}, {error}"
+    return None
+
+
+def json_error(path):
+    """A JSON file's first error, "line N: message (column C)": a .json file as one document or else (several) as JSON
+    Lines, as datasets reads it; a .jsonl file line by line, each a JSON object. None: it parses."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if path.endswith(".json"):
             try:
-                row = json.loads(line) if line.strip() else {}
+                json.load(f)
+                return None
             except json.JSONDecodeError as e:
-                return f"{path}, line {e.lineno if len(lines) == 1 else n}: {e.msg} (column {e.colno})"
-            if len(lines) > 1 and not isinstance(row, dict):
-                return f"{path}, line {n}: a row must be a JSON object, got {type(row).__name__}"
+                if not e.msg.startswith("Extra data"):
+                    return f"line {e.lineno}: {e.msg} (column {e.colno})"
+            f.seek(0)
+        for n, line in enumerate(f, 1):
+            try:
+                row = json.loads(line.rstrip("\r\n")) if line.strip() else {}
+            except json.JSONDecodeError as e:
+                return f"line {n}: {e.msg} (column {e.colno})"
+            if not isinstance(row, dict):
+                return f"line {n}: a row must be a JSON object, got {type(row).__name__}"
     return None
 
 

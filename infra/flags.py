@@ -14,46 +14,9 @@ import tyro
 
 from utils import die
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .data import REPO, check_paths, note
+
 PROMPTS = os.path.join(REPO, "data", "prompts.jsonl")
-FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
-
-
-def looks_local(name):
-    """Whether a model or dataset argument can only mean a local path, so that one that does not exist is refused at
-    once rather than looked up on the hub (a minute of retries without a network): it starts with '.', '/' or '~',
-    has more than one '/' (a hub id is 'name' or 'owner/name'), ends with a file type, or its first part is output/
-    (where the scripts write) or a folder here (data/...)."""
-    first, local = name.split("/")[0], name.startswith((".", "/", "~")) or name.lower().endswith(FILE_TYPES)
-    return local or name.count("/") > 1 or ("/" in name and (first == "output" or os.path.isdir(first)))
-
-
-def check_paths(args, *flags):
-    """These flags' values (a name, or a tuple of names), each one that can only be local (looks_local(), a chat
-    template, the file of a 'file.py:name' spec) found here, or, given relative, in this repository (its data/ and
-    examples/, so that the README's commands run from any folder) and then made that file's path; else one line."""
-    for flag in flags:
-        value = getattr(args, flag)
-        names = [found(flag, name) for name in (value if isinstance(value, tuple) else (value,))]
-        setattr(args, flag, tuple(names) if isinstance(value, tuple) else names[0])
-
-
-def found(flag, name):
-    if not name or os.path.exists(name):
-        return name
-    spec = ":" in name and not flag.endswith("path")  # (--reward_fn, --environment: '[key=]file.py:name', 'module:name')
-    key, rest = name.split("=", 1) if spec and "=" in name else (None, name)
-    where = rest.rsplit(":", 1)[0] if spec else rest
-    if (spec and not where.endswith(".py")) or os.path.exists(where):
-        return name
-    if where.startswith(("data/", "examples/")) and os.path.exists(os.path.join(REPO, where)):
-        rest = os.path.join(REPO, where) + rest[len(where) :]
-        return rest if key is None else f"{key}={rest}"
-    if spec:
-        die(f"--{flag} {name!r}: the file {where!r} does not exist")
-    if flag == "chat_template" or looks_local(name):
-        die(f"--{flag} {name!r} does not exist (a local path, not a hub id)")
-    return name
 
 
 class Checked:
@@ -138,7 +101,7 @@ class RolloutArgs(Checked):
         if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
             die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
         if self.vllm_importance_sampling_cap is not None:
-            print("note: --vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
+            note("--vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
             self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
         if self.max_staleness < 0:
             die(f"--max_staleness must be >= 0, got {self.max_staleness}")
@@ -386,10 +349,8 @@ class TrainArgs(Checked):
         for name in sizes:
             if getattr(self, name) < 1:
                 die(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.learning_rate < 0 or self.max_grad_norm < 0:
-            die("--learning_rate and --max_grad_norm (0: no clipping) must be >= 0")
-        if not 0 <= self.seed < 2**31:
-            die(f"--seed must be in [0, 2**31), got {self.seed}")
+        if self.learning_rate < 0 or self.max_grad_norm < 0 or not 0 <= self.seed < 2**32:
+            die("--learning_rate and --max_grad_norm (0: no clipping) must be >= 0, --seed in [0, 2**32)")
         if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
             die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
         if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin

@@ -14,11 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from utils import PolicyAndValue, die, init_value_head
 
-from .flags import looks_local
+from .data import looks_local, note
 
-if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-    # what DeepSpeed would find by itself, said before it warns on every run that it found no GPU
-    os.environ["DS_ACCELERATOR"] = "cpu"
+# DeepSpeed warns on every run without a GPU that it found none and takes the CPU: what the scripts mean on a CPU
+logging.getLogger("DeepSpeed").addFilter(lambda record: not record.getMessage().startswith("Setting accelerator to CPU"))
 
 
 def resolve_pretrained(name):
@@ -150,7 +149,7 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=None):
             die(f"tokenizer of {name!r} has neither a pad nor an EOS token; give it a pad token and save it")
         # safe: masks come from lengths, never from comparing tokens with the pad id
         tokenizer.pad_token = tokenizer.eos_token
-        print(f"note: tokenizer of {name!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding")
+        note(f"tokenizer of {name!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding")
     if chat_template:
         if not os.path.isfile(chat_template):
             die(f"--chat_template file {chat_template!r} does not exist")
@@ -297,10 +296,12 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     args, accelerator = run.args, run.accelerator
     run.load_data()
     critic = None
-    if value_model_path:  # a saved critic: one without a trained head stops the run before the policy loads
+    if value_model_path:  # a saved critic, or a causal LM's trunk with a new head (as the critic from the policy's)
         critic, new = load_scorer(value_model_path, args.trust_remote_code)
-        if new:
-            die(f"value model {value_model_path!r} has no trained score head (a causal LM?): give a critic ppo.py saved")
+        if new:  # (loaded again with one output: a causal LM's config names transformers' default two labels)
+            critic = load_scorer(value_model_path, args.trust_remote_code, num_labels=1)[0]
+            init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)
+            note(f"value model {value_model_path!r} has no trained score head: its trunk starts the critic, with a new one")
         if critic.config.num_labels != 1:
             die(f"value model {value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
     policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from utils import die, init_value_head, packed_mask
 
-from .data import Shuffled, read_dataset
-from .flags import TrainArgs, check_paths
+from .data import Shuffled, check_paths, note, read_dataset
+from .flags import TrainArgs
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
 
 
@@ -197,7 +197,7 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
             continue
         rows.append({"ids": ids, "mask": mask})
     if dropped:
-        print(f"note: {dropped} of {len(ds)} rows in {where} have no {what} within --max_length {max_length}: left out")
+        note(f"{dropped} of {len(ds)} rows in {where} have no {what} within --max_length {max_length}: left out")
     if not rows:
         die(f"every row in {where} has no {what} within --max_length {max_length}")
     return rows
@@ -238,7 +238,7 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
         margin = float(row.get("margin") or 0.0)
         rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": margin, "row": i})
     if dropped:
-        print(f"note: {dropped} of {len(ds)} pairs in {where} are longer than --max_length {max_length} tokens: left out")
+        note(f"{dropped} of {len(ds)} pairs in {where} are longer than --max_length {max_length} tokens: left out")
     if not rows:
         die(f"every pair in {where} is longer than --max_length {max_length} tokens")
     return rows
@@ -274,7 +274,8 @@ def load_references(run, name, split):
     if not name:
         return None
     where = f"dataset {name!r} (split {split!r})"
-    rows = sft_rows(run.tokenizer, read_dataset(name, split), where, run.args.max_length, None, False, what="completion token")
+    ds, rule = read_dataset(name, split), dict(completion_only_loss=None, assistant_only_loss=False)
+    rows = sft_rows(run.tokenizer, ds, where, run.args.max_length, **rule, what="completion token")
     return Examples(run, rows, None, pairs=False)
 
 

@@ -48,7 +48,7 @@ CONSOLE = [
     ("score", "objective/scores"), ("loss", "loss/sft"), ("loss", "loss/reward"), ("loss", "loss/dpo"),
     ("loss", "distill/loss"), ("accuracy", "train/mean_token_accuracy"), ("accuracy", "train/accuracy"),
     ("accuracy", "rewards/accuracies"), ("margin", "rewards/margins"), ("kl", "objective/kl"),
-    ("length", "val/response_length"), ("length", "completions/mean_length"), ("offset", "reward/offset"), ("lr", "lr"),
+    ("length", "val/response_length"), ("length", "completions/mean_length"), ("lr", "lr"),
 ]  # fmt: skip
 
 

@@ -126,14 +126,14 @@ def check_rewards(values, n, source):
     if torch.is_tensor(values) or isinstance(values, np.ndarray):
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
-        die(f"reward {source} must return a list of numbers (or None), got {str(values)[:80]}")
+        die(f"reward {source} must return a list of numbers (or None), got {str(values)[:80]}", code=1)
     if len(values) != n:
-        die(f"reward {source} returned {len(values)} scores for {n} completions")
+        die(f"reward {source} returned {len(values)} scores for {n} completions", code=1)
     for v in values:
         if v is not None and (isinstance(v, str) or not isinstance(v, numbers.Real)):
-            die(f"reward {source} must return a list of numbers (or None), got {v!r}")
+            die(f"reward {source} must return a list of numbers (or None), got {v!r}", code=1)
         if v is not None and not math.isfinite(v):
-            die(f"reward {source} returned {v}; NaN or inf is not a reward (None means it cannot judge a completion)")
+            die(f"reward {source} returned {v}; NaN or inf is not a reward (None means it cannot judge a completion)", code=1)
     return [None if v is None else float(v) for v in values]
 
 
@@ -154,7 +154,8 @@ def rm_scores(
     else:
         completions = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
         if rule is not None or chat or conversations is not None:  # rendered as reward.py renders a pair
-            seqs = reward_input(rm_tokenizer, raw, completions, conversations, tools)
+            # (reward.py's models read each row's tools, as in training; TRL renders another's input without them)
+            seqs = reward_input(rm_tokenizer, raw, completions, conversations, tools=tools if rule is not None else None)
         else:
             queries = tokenizer.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
             seqs = rm_tokenizer([q + c for q, c in zip(queries, completions)], add_special_tokens=False)["input_ids"]
@@ -168,7 +169,7 @@ def rm_scores(
         last = torch.full_like(lengths, ids.shape[1] - 1)  # left-padded: the last column is real
     scores = scalar_forward(reward_model, ids, mask).gather(1, last[:, None]).squeeze(1).float()
     if not torch.isfinite(scores).all():
-        die(f"reward model {reward_model.name_or_path!r} returned NaN or inf")
+        die(f"reward model {reward_model.name_or_path!r} returned NaN or inf", code=1)
     return scores - (rule or {}).get("offset", 0.0)
 
 

@@ -45,7 +45,7 @@ class Run:
     def __init__(self, args, accelerator, run_name, k, default_reward="sentiment"):
         self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
         self.device = accelerator.device
-        self.episode, self.update, self.start_update, self.last_checkpoint = 0, 0, 1, None
+        self.episode, self.update, self.start_update, self.last_checkpoint, self.printed = 0, 0, 1, None, None
         self.model = self.ema = self.sampler = self.writer = self.measure = None
         self.ptx_losses, self.default_reward, self.held_out = [], default_reward, None
 
@@ -210,8 +210,9 @@ class Run:
         row.update(reduce_stats(self.accelerator, stats))
         row.update(metrics)
         log_metrics(self.accelerator, self.writer, self.args, row)
-        if self.accelerator.is_main_process and not self.args.quiet:
+        if self.accelerator.is_main_process and not self.args.quiet and self.update != self.printed:  # (once an update)
             print(update_line(row, self.update, self.args.num_updates), flush=True)
+            self.printed = self.update
         return row
 
     def evaluate(self):
@@ -325,7 +326,7 @@ def start(args, k=1, default_reward="sentiment", examples=None):
             "--dynamic_sampling")  # fmt: skip
     if getattr(args, "use_vllm", False) and args.vllm_tensor_parallel_size > 1 and accelerator.num_processes > 1:
         die("--vllm_tensor_parallel_size > 1 needs one training process (each process has an engine of its own)")
-    seed = args.seed + accelerator.process_index * 100003
+    seed = (args.seed + accelerator.process_index * 100003) % 2**32  # (numpy's seeds are below 2**32)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -11,8 +11,8 @@ import tyro
 
 from utils import die
 
-from .data import load_prompts
-from .flags import ScoreArgs, check_paths
+from .data import check_paths, load_prompts
+from .flags import ScoreArgs
 
 JUDGE = (
     "judge the final summaries against the references: python tools/judge_tldr.py --samples {output_dir}"

@@ -126,7 +126,11 @@ def test_every_number_outside_its_range_is_one_line_before_any_model_loads(
         ("rloo.py", "--per_device_train_batch_size 0", "--per_device_train_batch_size must be at least 1, got 0"),
         ("grpo.py", "--gradient_accumulation_steps 0", "--gradient_accumulation_steps must be at least 1, got 0"),
         ("sft.py", "--gradient_accumulation_steps 0", "--gradient_accumulation_steps must be at least 1, got 0"),
-        ("dpo.py", "--learning_rate -1", "--learning_rate and --max_grad_norm (0: no clipping) must be >= 0"),
+        (
+            "dpo.py",
+            "--learning_rate -1",
+            "--learning_rate and --max_grad_norm (0: no clipping) must be >= 0, --seed in [0, 2**32)",
+        ),
         ("ppo.py", "--temperature nan", "--temperature must be a finite number, got nan"),
     ],
 )
@@ -246,3 +250,62 @@ def test_the_console_tells_each_update_where_the_run_writes_and_how_the_model_lo
                            capture_output=True, text=True)  # fmt: skip
     last = again.stderr.strip().splitlines()[-1]
     assert again.returncode == 2 and last.endswith("already holds a run (metrics.jsonl): choose another folder"), last
+
+
+def test_where_a_dataset_file_fails_to_parse(tmp_path, capsys):
+    """read_dataset's line for each kind of file: a CSV's parser message (its line), a .json file holding JSON Lines read
+    line by line (as datasets reads it), a .json document by its own line, a folder's broken file named among others
+    that parse (a gzipped one too)."""
+    import gzip
+
+    from infra.data import read_dataset
+
+    def refusal(name):
+        with pytest.raises(SystemExit) as stop:
+            read_dataset(str(name), "train")
+        assert stop.value.code == 2 and "\n" not in str(stop.value)
+        return str(stop.value)
+
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n3,4,5\n")
+    assert "Expected 2 fields in line 3, saw 3" in refusal(tmp_path / "bad.csv")
+    (tmp_path / "lines.json").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c}\n')
+    assert refusal(tmp_path / "lines.json").endswith("lines.json, line 3: Unterminated string starting at (column 12)")
+    (tmp_path / "doc.json").write_text('[{"prompt": "a"},\n {"prompt": "b"}\n {"prompt": "c"}]\n')
+    assert refusal(tmp_path / "doc.json").endswith("doc.json, line 3: Expecting ',' delimiter (column 2)")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with gzip.open(folder / "a.jsonl.gz", "wt") as f:
+        f.write('{"prompt": "a"}\n')
+    (folder / "b.jsonl").write_text('{"prompt": "b"}\n{"prompt": "b",}\n')
+    assert refusal(folder).endswith("b.jsonl, line 2: Expecting property name enclosed in double quotes (column 16)")
+
+
+def test_which_paths_are_local(tmp_path, monkeypatch, capsys):
+    """check_paths: a hub id is left to the hub even where a folder of its owner's name is here; a path holding '=' is a
+    reward function's file, not a name; data/... missing here is the repository's (said in a note); a path missing its
+    file type is refused with the file it may mean."""
+    from types import SimpleNamespace
+
+    from infra.data import REPO, check_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trl-lib").mkdir()
+    (tmp_path / "run=3").mkdir()
+    (tmp_path / "run=3" / "rewards.py").write_text("def f(prompts, completions):\n    return [0.0] * len(completions)\n")
+    args = SimpleNamespace(
+        dataset_name="trl-lib/tldr", reward_fn=("run=3/rewards.py:f",), eval_dataset_name="data/prompts.jsonl"
+    )
+    check_paths(args, "dataset_name", "reward_fn", "eval_dataset_name")
+    assert args.dataset_name == "trl-lib/tldr" and args.reward_fn == ("run=3/rewards.py:f",)
+    assert args.eval_dataset_name == os.path.join(REPO, "data", "prompts.jsonl")
+    assert (
+        "note: --eval_dataset_name 'data/prompts.jsonl' is not in the working directory: this repository's"
+        in capsys.readouterr().out
+    )
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mypairs.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit) as stop:
+        check_paths(SimpleNamespace(dataset_name="data/mypairs"), "dataset_name")
+    assert str(stop.value) == (
+        "error: --dataset_name 'data/mypairs' does not exist (a local path, not a hub id) (did you mean 'data/mypairs.jsonl'?)"
+    )

@@ -184,27 +184,47 @@ def causal_lm_dirs(tiny_model_dir, tiny_llama_dir, tmp_path_factory):
         ("distill.py", "neox"),
         ("rloo_tldr.py", "neox"),
         ("ppo_tldr.py", "llama"),
-        ("ppo.py --value_model_path", "neox"),
     ],
 )
 def test_a_causal_lm_is_refused_as_a_reward_model(script, model, run, tmp_path, causal_lm_dirs, tiny_prompts_file, tldr_dir):
-    """A reward model (or PPO's value model) whose checkpoint has no trained score head is refused in one line, before
-    the policy loads (it has no weights here), and nothing is written."""
+    """A reward model whose checkpoint has no trained score head is refused in one line, before the policy loads (it has
+    no weights here), and nothing is written."""
     path, policy, out = causal_lm_dirs[model], causal_lm_dirs["no_weights"], tmp_path / "out"
-    script, *flag = script.split()
     if script.endswith("_tldr.py"):
         command = f"{script} --sft_model_path {policy} --reward_model_path {path} --dataset_name {tldr_dir}"
         command += " --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --num_mini_batches 2"
     else:
-        source = f"--reward_model_path {path}" if not flag else f"{flag[0]} {path}"
-        command = f"{script} --model_name_or_path {policy} {source} --dataset_name {tiny_prompts_file}"
+        command = f"{script} --model_name_or_path {policy} --reward_model_path {path} --dataset_name {tiny_prompts_file}"
         command += f" --teacher_model_name_or_path {policy}" if script == "distill.py" else ""
     proc = run(f"{command} --total_episodes 16 --output_dir {out}", cwd=tmp_path)
-    what, fix = ("value model", "give a critic ppo.py saved") if flag else ("reward model", "train one with reward.py")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"error: {what} {path!r} has no trained score head (a causal LM?): {fix}"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: reward model {path!r} has no trained score head (a causal LM?): train one with reward.py"
     assert "Traceback" not in proc.stderr and "LOAD REPORT" not in proc.stderr
     assert not out.exists()
+
+
+def test_a_causal_lm_starts_ppos_critic_with_a_new_head(run, tmp_path, causal_lm_dirs, tiny_model_dir, tiny_prompts_file):
+    """--value_model_path a causal LM (an SFT model, say): its trunk starts the critic with a new head, as the critic
+    from the policy's trunk does, said in a note (a reward model without a trained head is refused: its scores are the
+    signal, a critic's head is trained). With the learning rate at 0 the saved critic is that start: the causal LM's
+    trunk, and the head initialised as the scripts initialise one."""
+    from safetensors.torch import load_file
+
+    from utils import init_value_head
+
+    value, out = causal_lm_dirs["llama"], tmp_path / "out"
+    command = f"ppo.py --model_name_or_path {tiny_model_dir} --value_model_path {value} --dataset_name {tiny_prompts_file}"
+    proc = run(f"{command} --total_episodes 16 --learning_rate 0 --response_length 6 --output_dir {out}", cwd=tmp_path)
+    check_ok(proc)
+    assert f"note: value model {value!r} has no trained score head: its trunk starts the critic" in proc.stdout
+    critic, trunk = load_file(out / "critic" / "model.safetensors"), load_file(os.path.join(value, "model.safetensors"))
+    for key, weight in trunk.items():
+        if key.startswith("model."):
+            assert torch.equal(critic[key], weight), key
+    head = torch.nn.Linear(critic["score.weight"].shape[1], 1, bias=False)
+    init_value_head(head, 0.02, 1)
+    assert torch.equal(critic["score.weight"], head.weight)
 
 
 def test_reward_py_starts_its_new_score_head_without_a_loading_report(run, tmp_path, tools_model_dir, chat_pairs):

@@ -2,7 +2,8 @@
 transformers and the rest again for every run: a server process imports them once, then forks a child per run. The
 child takes the run's working directory, environment, arguments and output files, executes the script as __main__
 and exits as the interpreter would (an uncaught exception: its traceback and status 1; SystemExit("error: ...") that
-line and status 1). The script's own state starts fresh in each child: the server never runs it.
+line and status 1; utils.die's line, printed as it stops, and its status, 2 or 1). The script's own state starts
+fresh in each child: the server never runs it.
 
 A run whose environment differs from the server's (PYTHONPATH, PATH, WANDB_MODE, ...: what an interpreter or a module
 may read as it starts or is imported) gets a fresh interpreter instead, and so does every run when
