@@ -50,11 +50,13 @@ def found(flag, name):
         note(f"--{flag} {where!r} is not in the working directory: this repository's {os.path.join(REPO, where)}")
         rest = os.path.join(REPO, where) + rest[len(where) :]
         return rest if key is None else f"{key}={rest}"
-    near = "".join(f" (did you mean {p!r}?)" for p in sorted(glob.glob(glob.escape(where) + ".*"))[:1])
+    near = [p for p in sorted(glob.glob(glob.escape(where) + ".*")) if p.endswith(FILE_TYPES)][:1]
     if spec:
-        die(f"--{flag} {name!r}: the file {where!r} does not exist{near}")
-    if flag == "chat_template" or looks_local(name):
-        die(f"--{flag} {name!r} does not exist (a local path, not a hub id){near}")
+        die(f"--{flag} {name!r}: the file {where!r} does not exist" + "".join(f" (did you mean {p!r}?)" for p in near))
+    if flag == "chat_template" or looks_local(name) or near:  # (a local file of that name and a type: that was meant)
+        die(
+            f"--{flag} {name!r} does not exist (a local path, not a hub id)" + "".join(f" (did you mean {p!r}?)" for p in near)
+        )
     return name
 
 
@@ -161,7 +163,7 @@ def load_prompts(
         tools = env.schemas(kind) if kind is not None else None
         if tools and not isinstance(value, list):
             die(f"{kind['name']}'s tools reach the model through the chat template: the prompts must be chat messages")
-        ids, text = prompt_ids(tokenizer, value, prompt_field, tools)
+        ids, text = prompt_ids(tokenizer, value, prompt_field, tools, where=f" of {dataset_name!r}, row {row},")
         if reference_field and not isinstance(ref, str):
             die(f"column {reference_field!r} must hold strings, got {type(ref).__name__}")
         if long_prompts == "truncate":
@@ -179,17 +181,17 @@ def load_prompts(
     return queries, texts, refs, columns
 
 
-def prompt_ids(tokenizer, value, field, tools=None):
+def prompt_ids(tokenizer, value, field, tools=None, where=""):
     """A prompt's (token ids, text): chat messages through the tokenizer's chat template with the generation prompt
-    (and the tools' schemas; the text: the last message's), a string tokenized as it is."""
+    (and the tools' schemas; the text: the last message's), a string tokenized as it is. where: the row, for errors."""
     if isinstance(value, list):
         if tokenizer.chat_template is None:
-            die(f"column {field!r} holds chat messages but the tokenizer has no chat template")
+            die(f"column {field!r} holds chat messages but the tokenizer has no chat template: give one with --chat_template")
         ids = tokenizer.apply_chat_template(value, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
         return ids, value[-1]["content"]
     if isinstance(value, str):
         return tokenizer(value, add_special_tokens=False)["input_ids"], value
-    die(f"column {field!r} must hold strings or chat messages, got {type(value).__name__}")
+    die(f"column {field!r}{where} must hold strings or chat messages, got {type(value).__name__}")
 
 
 def completion_ids(tokenizer, value, field, stop_token_id):

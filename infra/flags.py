@@ -19,6 +19,13 @@ from .data import REPO, check_paths, note
 PROMPTS = os.path.join(REPO, "data", "prompts.jsonl")
 
 
+def at_least(args, bound, *names):
+    """Each of these flags (a number, or None where it may be) at least bound, else one line naming it and its value"""
+    for name in names:
+        if getattr(args, name) is not None and getattr(args, name) < bound:
+            die(f"--{name} must be at least {bound}, got {getattr(args, name)}")
+
+
 class Checked:
     """A flag group's checks, run one group after another as the script's Args is parsed (dataclasses call the first
     __post_init__ they find; each group's calls the next one's). The last, here: every number of every flag, the
@@ -91,20 +98,18 @@ class RolloutArgs(Checked):
     with the oldest synced weights that are at most --max_staleness updates older than its update (so K <= N + 1)"""
 
     def __post_init__(self):
-        if self.temperature <= 0 or self.response_length < 1 or self.local_rollout_forward_batch_size < 1:
-            die("--temperature, --response_length and --local_rollout_forward_batch_size must be positive")
-        if self.stop_token_id is not None and self.stop_token_id < 0:
-            die(f"--stop_token_id must be a token id (>= 0), got {self.stop_token_id}")
+        if self.temperature <= 0:
+            die(f"--temperature must be positive, got {self.temperature}")
+        at_least(self, 1, "response_length", "local_rollout_forward_batch_size", "vllm_tensor_parallel_size")
+        at_least(self, 0, "stop_token_id", "max_staleness")
         if self.response_length_min is not None and not 1 <= self.response_length_min <= self.response_length:
             bound = f"[1, --response_length {self.response_length}]"
             die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
-            die("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            die(f"--vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
         if self.vllm_importance_sampling_cap is not None:
             note("--vllm_importance_sampling_cap is deprecated (as in TRL); use --vllm_importance_sampling_clip_max")
             self.vllm_importance_sampling_clip_max, self.vllm_importance_sampling_cap = self.vllm_importance_sampling_cap, None
-        if self.max_staleness < 0:
-            die(f"--max_staleness must be >= 0, got {self.max_staleness}")
         if not 1 <= self.weight_sync_steps <= self.max_staleness + 1:
             die(
                 f"--weight_sync_steps must be in [1, --max_staleness + 1 = {self.max_staleness + 1}] (weights synced less "
@@ -174,8 +179,7 @@ class DataArgs(ScoreArgs):
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
 
     def __post_init__(self):
-        if self.max_prompt_length < 1:
-            die(f"--max_prompt_length must be at least 1, got {self.max_prompt_length}")
+        at_least(self, 1, "max_prompt_length")
         check_paths(self, "model_name_or_path", "reward_model_path", "reward_fn", "dataset_name", "chat_template")
         super().__post_init__()
 
@@ -203,8 +207,8 @@ class EvalArgs(Checked):
     eval_sources: ClassVar[Optional[int]] = None  # the first this many reward sources score the evaluation; None: all
 
     def __post_init__(self):
-        if self.eval_every < 0 or self.num_eval_generations < 0 or self.eval_batch_size < 1:
-            die("--eval_every and --num_eval_generations must be >= 0, --eval_batch_size >= 1")
+        at_least(self, 0, "eval_every", "num_eval_generations")
+        at_least(self, 1, "eval_batch_size")
         check_paths(self, "eval_dataset_name")
         super().__post_init__()
 
@@ -222,8 +226,7 @@ class GroupArgs(Checked):
     filled with dropped groups, earliest first"""
 
     def __post_init__(self):
-        if self.max_sampling_rounds < 1:
-            die(f"--max_sampling_rounds must be at least 1, got {self.max_sampling_rounds}")
+        at_least(self, 1, "max_sampling_rounds")
         if self.dynamic_sampling and self.use_score_scaling and self.score_clip is not None:
             # which groups the clip makes flat would depend on the running scale, which takes in the batch being chosen
             die("--dynamic_sampling filters on clipped scores: use --score_clip or --use_score_scaling with it, not both")
@@ -249,8 +252,7 @@ class EnvArgs(Checked):
     None: max_turns x response_length"""
 
     def __post_init__(self):
-        if self.max_turns < 1 or (self.max_episode_tokens is not None and self.max_episode_tokens < 1):
-            die("--max_turns and --max_episode_tokens must be positive")
+        at_least(self, 1, "max_turns", "max_episode_tokens")
         check_paths(self, "environment")
         if self.max_episode_tokens is None:
             self.max_episode_tokens = self.max_turns * self.response_length
@@ -280,7 +282,7 @@ class TrainArgs(Checked):
     seed: int = 1
     """seed of the experiment"""
     output_dir: Optional[str] = None
-    """where metrics.jsonl, checkpoints and the trained model go; None: output/{run_name}"""
+    """where metrics.jsonl, checkpoints and the trained model go; None: output/{exp_name}__{seed}__{time}"""
     quiet: bool = False
     """print no line per update, configuration or sample table: only where the run writes, evaluations, notes and errors"""
     track: bool = False
@@ -314,8 +316,8 @@ class TrainArgs(Checked):
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
     use_peft: bool = False
-    """train LoRA adapters (peft) on every linear layer of the policy instead of all its weights; the reference is then
-    the policy with its adapters switched off, so no second copy is held"""
+    """train LoRA adapters (peft) on every linear layer of the model instead of all its weights; a script's reference
+    is then the model with its adapters switched off, so no second copy is held"""
     lora_r: int = 16
     """the LoRA rank"""
     lora_alpha: int = 32
@@ -344,21 +346,15 @@ class TrainArgs(Checked):
     """prompts per update on each process"""
 
     def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
-        sizes = ["per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches"]
-        sizes += ["total_episodes"] if self.total_episodes is not None else []
-        for name in sizes:
-            if getattr(self, name) < 1:
-                die(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.learning_rate < 0 or self.max_grad_norm < 0 or not 0 <= self.seed < 2**32:
-            die("--learning_rate and --max_grad_norm (0: no clipping) must be >= 0, --seed in [0, 2**32)")
+        at_least(self, 1, "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches")
+        at_least(self, 0, "learning_rate", "max_grad_norm", "checkpoint_every")  # (max_grad_norm 0: no clipping)
+        at_least(self, 1, "keep_checkpoints", *(["lora_r", "lora_alpha"] if self.use_peft else []))
+        if not 0 <= self.seed < 2**32:
+            die(f"--seed must be in [0, 2**32), got {self.seed}")
         if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
             die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
         if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
             die("--ema_beta does not work with --use_peft yet")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
-            die("--checkpoint_every must be >= 0 and --keep_checkpoints >= 1")
-        if self.use_peft and (self.lora_r < 1 or self.lora_alpha < 1):
-            die(f"--lora_r and --lora_alpha must be at least 1, got {self.lora_r} and {self.lora_alpha}")
         if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
             if not self.hub_model_id:
                 die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
@@ -397,10 +393,7 @@ class RunArgs(TrainArgs):
     """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
 
     def __post_init__(self):
-        if self.num_sample_generations < 0:
-            die(f"--num_sample_generations must be >= 0, got {self.num_sample_generations}")
-        if self.ptx_coef < 0:
-            die(f"--ptx_coef must be >= 0, got {self.ptx_coef}")
+        at_least(self, 0, "num_sample_generations", "ptx_coef")
         if self.ptx_coef > 0 and not self.ptx_dataset:
             die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
         if self.ptx_max_length is not None and self.ptx_max_length < 2:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import warnings
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -16,6 +17,8 @@ from utils import PolicyAndValue, die, init_value_head
 
 from .data import looks_local, note
 
+# peft reads a property transformers deprecated, on every LoRA run: nothing a user of the scripts can change
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 # DeepSpeed warns on every run without a GPU that it found none and takes the CPU: what the scripts mean on a CPU
 logging.getLogger("DeepSpeed").addFilter(lambda record: not record.getMessage().startswith("Setting accelerator to CPU"))
 

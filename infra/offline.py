@@ -38,7 +38,8 @@ class ExampleArgs(TrainArgs):
     eval_batch_size: int = 16
     """held-out examples per forward pass, per process"""
     max_length: Optional[int] = 1024
-    """the most tokens of an example, prompt and completion (TRL's max_length; see each script for what is cut)"""
+    """the most tokens of an example, prompt and completion (TRL's max_length): sft.py cuts from the start (a row left
+    with no token to learn is left out), reward.py leaves a longer pair out, dpo.py cuts the completions"""
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
     num_train_epochs: float = 1.0
@@ -235,8 +236,9 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
                 dropped += 1
                 continue
             chosen_ids, rejected_ids = chosen_ids[: max_length - len(head)], rejected_ids[: max_length - len(head)]
-        margin = float(row.get("margin") or 0.0)
-        rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": margin, "row": i})
+        if not isinstance(margin := row.get("margin") or 0.0, (int, float)):
+            die(f"{where}, row {i}: `margin` must be a number, got {margin!r}")
+        rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": float(margin), "row": i})
     if dropped:
         note(f"{dropped} of {len(ds)} pairs in {where} are longer than --max_length {max_length} tokens: left out")
     if not rows:

@@ -66,11 +66,18 @@ def saved_line(args, model):
     if not args.save_model:
         return f"done: {logs} (no model saved: --no_save_model)"
     model = getattr(model, "policy", model)  # (PPO: the policy beside its critic)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (LoRA: the model under it)
     head = "SequenceClassification" if type(model).__name__.endswith("ForSequenceClassification") else "CausalLM"
-    if args.use_peft and not args.merge_lora:
-        load = f"LoRA adapters: peft.PeftModel.from_pretrained(base_model, {out!r}) (--merge_lora saves the whole model)"
+    if args.use_peft and not args.merge_lora:  # the base model as it loads here (a package's .gguf file), then them
+        path, gguf = resolve_pretrained(args.model_name_or_path)
+        path = os.path.abspath(path) if os.path.exists(path) else path
+        extra = (f", gguf_file={gguf!r}" if gguf else "") + (", num_labels=1" if head == "SequenceClassification" else "")
+        base = f"transformers.AutoModelFor{head}.from_pretrained({path!r}{extra})"
+        load = f"LoRA adapters: peft.PeftModel.from_pretrained({base}, {out!r})"
     else:
         load = f"transformers.AutoModelFor{head}.from_pretrained({out!r})"
+    rule = getattr(model.config, "reward_input", None)  # (reward.py's: the RL scripts subtract the offset)
+    load += f", its score less {rule['offset']:.4g} as the RL scripts read it" if rule else ""
     return f"done: the model in {out}, {load}; {logs}"
 
 
@@ -245,7 +252,7 @@ def open_output_dir(args):
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
     if args.resume and not checkpoints(args.output_dir):
-        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r}")
+        die(f"--resume: no complete checkpoint in --output_dir {args.output_dir!r} (runs write them with --checkpoint_every)")
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         resumable = " or add --resume to continue it" if checkpoints(args.output_dir) else ""
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl): choose another folder{resumable}")

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from utils import PolicyAndValue, die, forward
 
 from . import tldr
-from .data import Shuffled, lm_loss, load_eval, load_prompts, load_ptx, ptx_batch
+from .data import Shuffled, lm_loss, load_eval, load_prompts, load_ptx, note, ptx_batch
 from .environments import Environments
 from .evaluation import evaluate, record_eval
 from .hooks import notify
@@ -301,12 +301,16 @@ def start(args, k=1, default_reward="sentiment", examples=None):
     args.batch_size = args.local_batch_size * args.world_size
     if args.total_episodes is None:  # (sft.py, reward.py, dpo.py) --num_train_epochs passes over the examples they keep
         args.total_episodes = max(1, int(args.num_train_epochs * examples) // args.batch_size) * args.batch_size
+        if args.num_train_epochs * examples < args.batch_size:
+            note(f"{examples} examples make less than a batch of {args.batch_size}: one batch, each about "
+                 f"{args.batch_size / examples:.1f} times")  # fmt: skip
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1 or args.total_episodes % args.batch_size:
         below = args.num_updates * args.batch_size
         die(
             f"--total_episodes {args.total_episodes} must be a positive multiple of the batch of {args.batch_size} "
-            f"completions (processes x per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches): "
+            f"{'completions' if examples is None else 'examples'} (processes x per_device_train_batch_size x "
+            f"gradient_accumulation_steps x num_mini_batches): "
             f"try {f'{below} or ' if below else ''}{below + args.batch_size}"
         )
     if args.local_batch_size % k:

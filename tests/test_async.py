@@ -210,7 +210,7 @@ def test_a_slow_judge_scores_while_the_next_batch_samples(run, tmp_path, monkeyp
     "flags, message",
     [
         ("--max_staleness 1 --dynamic_sampling", "with --dynamic_sampling"),
-        ("--max_staleness -1", "--max_staleness must be >= 0"),
+        ("--max_staleness -1", "--max_staleness must be at least 0, got -1"),
         ("--max_staleness 1 --weight_sync_steps 3", "--weight_sync_steps must be in [1, --max_staleness + 1 = 2]"),
         ("--weight_sync_steps 2", "--weight_sync_steps must be in [1, --max_staleness + 1 = 1]"),
     ],

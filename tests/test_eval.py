@@ -93,7 +93,7 @@ def test_evaluation_refusals_are_one_line(run, tmp_path, tiny_model_dir, tiny_pr
     (tmp_path / "rewards.py").write_text(REWARDS)
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "Describe the sea", "target": 3}) + "\n")
     for extra, expected in [
-        (f"--eval_dataset_name {tiny_prompts_file} --eval_every -1", "error: --eval_every and --num_eval_generations"),
+        (f"--eval_dataset_name {tiny_prompts_file} --eval_every -1", "error: --eval_every must be at least 0, got -1"),
         (f"--eval_dataset_name {tiny_prompts_file}", "error: --eval_dataset_name"),  # no `target` column
         ("--eval_dataset_name missing.jsonl", "error: --eval_dataset_name 'missing.jsonl' does not exist"),
     ]:

@@ -152,7 +152,7 @@ def test_bad_ptx_data_gets_one_line(tmp_path, tiny_tokenizer_dir):
     [
         ("--ema_beta 1.0", "--ema_beta must be in [0, 1)"),
         ("--ema_beta 0.9 --use_peft", "--ema_beta does not work with --use_peft"),
-        ("--ptx_coef -1", "--ptx_coef must be >= 0"),
+        ("--ptx_coef -1", "--ptx_coef must be at least 0, got -1.0"),
         ("--ptx_coef 1", "--ptx_coef needs --ptx_dataset"),
         ("--ptx_coef 1 --ptx_dataset texts.jsonl --ptx_max_length 1", "--ptx_max_length must be at least 2"),
     ],

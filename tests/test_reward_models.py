@@ -6,6 +6,7 @@ transformers (or peft)."""
 import json
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -123,15 +124,18 @@ def test_a_reward_model_reads_an_episode_with_the_tools_its_environment_offered(
 
 def test_reward_py_lora_adapters_load_as_a_reward_model(run, tmp_path, tools_model_dir, chat_pairs):
     """reward.py --use_peft without --merge_lora saves adapters (the score head trained whole with them), their base
-    named by its absolute path (the run named it relative to its folder) and its reading rule beside them; rloo.py, run
-    from another folder, loads them as a reward model: each logged reward is peft's own load of the folder's score of
-    the rendered conversation, less the offset reward.py logged."""
+    named by its absolute path (the run named it relative to its folder) and its reading rule beside them; the run's last
+    line gives the call that loads them and the offset; rloo.py, run from another folder, loads them as a reward model:
+    each logged reward is peft's own load of the folder's score of the rendered conversation, less that offset."""
+    import peft
+    import transformers
     from peft import AutoPeftModelForSequenceClassification
     from transformers import AutoTokenizer
 
     rm = tmp_path / "rm"
     base = os.path.relpath(tools_model_dir, tmp_path)
-    check_ok(run(reward_py(base, chat_pairs, rm, "--use_peft --lora_r 4"), cwd=tmp_path))
+    trained = run(reward_py(base, chat_pairs, rm, "--use_peft --lora_r 4"), cwd=tmp_path)
+    check_ok(trained)
     assert not (rm / "config.json").exists() and not (rm / "model.safetensors").exists()  # adapters alone
     assert json.load(open(rm / "adapter_config.json"))["base_model_name_or_path"] == os.path.abspath(tools_model_dir)
     offset = [r for r in read_metrics(rm) if "reward/offset" in r][-1]["reward/offset"]
@@ -154,6 +158,15 @@ def test_reward_py_lora_adapters_load_as_a_reward_model(run, tmp_path, tools_mod
 
     assert abs(score("Tell me about the river", "sunny") - score("Tell me about the river", "dark")) > 1e-3  # it learnt
     logged_against(out, rm.name, score, offset)
+
+    found = re.search(r"LoRA adapters: (peft\..*\)), its score less (\S+) as", trained.stdout.strip().splitlines()[-1])
+    assert found, trained.stdout[-3000:]
+    call, less = found.groups()
+    assert float(less) == pytest.approx(offset, abs=1e-4)
+    loaded = eval(call, {"peft": peft, "transformers": transformers}).eval()  # (the line's own call)
+    chat = [{"role": "user", "content": "Tell me about the river"}, {"role": "assistant", "content": "sunny"}]
+    ids = torch.tensor([tok.apply_chat_template(chat, tokenize=True, return_dict=False)])
+    assert loaded(ids).logits[0, 0].item() == pytest.approx(model(ids).logits[0, 0].item(), abs=1e-6)
 
 
 @pytest.fixture(scope="session")
@@ -238,14 +251,16 @@ def test_reward_py_starts_its_new_score_head_without_a_loading_report(run, tmp_p
 def test_only_the_expected_loading_report_is_held_back(tmp_path, tiny_model_dir, tiny_reward_model_dir):
     """infra.models.load_scorer: a causal LM's checkpoint gives the new head's keys and no report; a reward model's
     none; a checkpoint that also lacks a weight of the trunk gives the report, as transformers writes it."""
+    import transformers
     from safetensors.torch import load_file, save_file
 
     from infra.models import load_scorer
 
-    seen = []
+    seen, verbosity = [], transformers.logging.get_verbosity()
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger("transformers").addHandler(handler)
+    transformers.logging.set_verbosity_warning()  # (as a script runs; another test file may have set it to errors)
     try:
         model, new = load_scorer(tiny_model_dir, num_labels=1)
         assert new == {"score.weight"} and model.score.out_features == 1 and not seen
@@ -258,3 +273,4 @@ def test_only_the_expected_loading_report_is_held_back(tmp_path, tiny_model_dir,
         assert len(seen) == 1 and "LOAD REPORT" in seen[0] and "dense_h_to_4h.weight" in seen[0]
     finally:
         logging.getLogger("transformers").removeHandler(handler)
+        transformers.logging.set_verbosity(verbosity)

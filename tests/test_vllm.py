@@ -216,7 +216,7 @@ def test_bf16_and_gradient_checkpointing_run_with_vllm(run, tmp_path, tiny_llama
 @needs_vllm
 def test_refusals_are_one_line(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
     for script, extra, expected in [
-        ("ppo.py", "--vllm_tensor_parallel_size 0", "error: --vllm_gpu_memory_utilization must be in (0, 1]"),
+        ("ppo.py", "--vllm_tensor_parallel_size 0", "error: --vllm_tensor_parallel_size must be at least 1, got 0"),
         ("grpo.py", "--vllm_importance_sampling_cap 0", "error: --vllm_importance_sampling_clip_max must be > 0"),
         ("rloo.py", "--vllm_importance_sampling_mode token_mask", "error: RLOO's ratio is the completion's"),
         ("grpo.py", "--dynamic_sampling --use_score_scaling --score_clip 1", "error: --dynamic_sampling filters on clipped"),
