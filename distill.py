@@ -68,9 +68,9 @@ class DistillArgs:
 # the algorithm's flags first, then the model and data, then the rest
 @dataclass
 class Args(infra.RunArgs, infra.EvalArgs, infra.RolloutArgs, infra.DataArgs, DistillArgs):
-    """Distillation's flags, then those every script shares (infra/flags.py): the score's shaping; the model (the
+    """Distillation's flags, then those every script shares (infra/*flags.py): the score's shaping; the model (the
     student), data and reward sources (none by default: rewards are only logged); the rollout; the evaluation; the run
-    (the batch and learning rate, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
+    (the batch and its optimiser, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
 
 def _jsd(logits, teacher_logits, beta, temperature):
@@ -118,9 +118,11 @@ def main(args):
     # the tokenizer, prompts and any reward sources; the student (LoRA, gradient checkpointing) and the frozen teacher
     # in the reference's place (sharded under ZeRO-3), its vocabulary checked against the student's first
     student, teacher = infra.load_policy(run, reference=args.teacher_model_name_or_path)
-    # AdamW on the trainable weights (LoRA: the adapters), eps 1e-5 as TRL's; fused: about 4x the default's speed on a CPU
-    params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
+    # transformers'); fused: about 4x the default's speed on a CPU
+    params = utils.decay_groups(student, args.weight_decay)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
     # accelerate's (DDP, DeepSpeed); the teacher and any reward models on the device; the EMA of --ema_beta
     student, optimizer, teacher = infra.prepare(run, student, optimizer, teacher)
     for field, flag, needed in [
@@ -129,7 +131,9 @@ def main(args):
     ]:
         if needed and field not in run.columns:
             utils.die(f"the dataset has no column {field!r} for {flag}; its columns: {sorted(run.columns)}")
-    sampler = infra.Sampler(run, student)  # the scripts' own sampler or a vLLM engine
+    # the scripts' own sampler or a vLLM engine, each token drawn by the sampling rule (utils.sampling_logits:
+    # --temperature, --top_k, --top_p, --min_p, --repetition_penalty)
+    sampler = infra.Sampler(run, student, rule=utils.sampling_logits)
     # TRL's score scaling (of a --reward_fn's score, logged, not trained on); a checkpoint holds the running moments
     scaler = utils.ScoreScaler(args.use_score_scaling, args.use_score_norm, args.score_clip, reduce=run.reduce_sum)
     accelerator = run.accelerator
@@ -146,7 +150,9 @@ def main(args):
         return random.Random(args.seed * 100003 + update).random() < args.lmbda
 
     for update in run.updates():  # from the one after the newest checkpoint with --resume
-        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
+        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
+        warmup, low = args.warmup_updates, args.min_lr_rate
+        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
         for group in optimizer.param_groups:
             group["lr"] = lr
 

@@ -53,7 +53,7 @@ class Args(infra.ExampleArgs, DPOArgs):
     """preference pairs in TRL's format: `chosen` and `rejected` (strings or chat messages), an explicit `prompt` or
     the one they share"""
     learning_rate: float = 1e-6
-    """the AdamW learning rate, annealed linearly to zero (TRL's DPO default)"""
+    """the AdamW learning rate at its peak (TRL's DPO default; --lr_scheduler_type)"""
     per_device_train_batch_size: int = 8
     """pairs per forward/backward pass on each device"""
 
@@ -98,8 +98,11 @@ def main(args):
     run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
     data = infra.load_examples(run, rows)  # their batches, each pair's prompt once then its two completions
     policy, ref_policy = infra.load_model(run, reference=True)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
+    # transformers'); fused: about 4x the default's speed on a CPU
+    params = utils.decay_groups(policy, args.weight_decay)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
     policy, optimizer, ref_policy = infra.prepare(run, policy, optimizer, ref_policy)
     accelerator = run.accelerator
 
@@ -141,7 +144,9 @@ def main(args):
         return {f"eval/{name}": value for name, value in run.reduce_stats(stats).items()}
 
     for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
-        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
+        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
+        warmup, low = args.warmup_updates, args.min_lr_rate
+        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
         for group in optimizer.param_groups:
             group["lr"] = lr
 

@@ -78,8 +78,8 @@ class PPOArgs:
 # the algorithm's flags first, then the model and data, then the rest
 @dataclass
 class Args(infra.RunArgs, infra.EvalArgs, infra.RolloutArgs, infra.DataArgs, PPOArgs):
-    """PPO's flags, then those every script shares (infra/flags.py): the score's shaping; the model, data and reward
-    sources; the rollout; the evaluation; the run (the batch and learning rate, the experiment and its outputs,
+    """PPO's flags, then those every script shares (infra/*flags.py): the score's shaping; the model, data and reward
+    sources; the rollout; the evaluation; the run (the batch and its optimiser, the experiment and its outputs,
     precision, LoRA, EMA, PTX)."""
 
 
@@ -154,12 +154,16 @@ def main(args):
     # the tokenizer, prompts and reward sources; the policy and the critic in one module (LoRA, gradient
     # checkpointing); the frozen reference
     model, ref_policy = infra.load_policy_and_critic(run, args.value_model_path, shared=args.value_head_shared)
-    # one AdamW on the policy's and the critic's trainable weights, eps 1e-5 as TRL's; fused: about 4x faster on a CPU
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    # AdamW on the policy's and the critic's trainable weights, weight decay on all but the biases and norms (as
+    # transformers'); fused: about 4x the default's speed on a CPU
+    params = utils.decay_groups(model, args.weight_decay)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
     # accelerate's (DDP, DeepSpeed); the reference and the reward models on the device; the EMA of --ema_beta
     model, optimizer, ref_policy = infra.prepare(run, model, optimizer, ref_policy)
-    sampler = infra.Sampler(run, model)  # one completion per prompt: the scripts' own sampler or a vLLM engine
+    # one completion per prompt: the scripts' own sampler or a vLLM engine, each token drawn by the sampling rule
+    # (utils.sampling_logits: --temperature, --top_k, --top_p, --min_p, --repetition_penalty)
+    sampler = infra.Sampler(run, model, rule=utils.sampling_logits)
     accelerator = run.accelerator
     # TRL's --use_score_scaling, --use_score_norm and --score_clip; a checkpoint holds the running moments
     scaler = utils.ScoreScaler(args.use_score_scaling, args.use_score_norm, args.score_clip, reduce=run.reduce_sum)
@@ -168,7 +172,9 @@ def main(args):
     accelerator.register_for_checkpointing(kl_coef)
 
     for update in run.updates():  # from the one after the newest checkpoint with --resume
-        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
+        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
+        warmup, low = args.warmup_updates, args.min_lr_rate
+        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
         for group in optimizer.param_groups:
             group["lr"] = lr
         warmup = update <= args.critic_warmup_updates  # only the critic learns

@@ -49,7 +49,7 @@ class Args(infra.ExampleArgs, SFTArgs):
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats: `messages`
     (conversations), `prompt` and `completion`, or `text` (docs/pipeline.md)"""
     learning_rate: float = 2e-5
-    """the AdamW learning rate, annealed linearly to zero (TRL's SFT default)"""
+    """the AdamW learning rate at its peak (TRL's SFT default; --lr_scheduler_type)"""
 
 
 def learnt_tokens(batch):
@@ -89,8 +89,11 @@ def main(args):
     model, _ = infra.load_model(run)  # (LoRA, gradient checkpointing)
     if args.padding_free and not utils.can_pack(model.config, args.max_length or math.inf):
         utils.die(f"--padding_free: this {model.config.model_type} model's attention cannot run a packed row exactly")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, eps=1e-5, weight_decay=0.0, fused=True)
+    # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
+    # transformers'); fused: about 4x the default's speed on a CPU
+    params = utils.decay_groups(model, args.weight_decay)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
     model, optimizer, _ = infra.prepare(run, model, optimizer)
     accelerator = run.accelerator
 
@@ -107,7 +110,9 @@ def main(args):
         return {"eval/loss": loss / tokens, "eval/mean_token_accuracy": right / tokens}
 
     for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
-        lr = (1.0 - (update - 1.0) / args.num_updates) * args.learning_rate  # annealed linearly to 0 over the run
+        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
+        warmup, low = args.warmup_updates, args.min_lr_rate
+        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
         for group in optimizer.param_groups:
             group["lr"] = lr
 

@@ -7,6 +7,7 @@ of modules by concern.
 """
 
 import math
+import re
 import sys
 from collections import defaultdict
 from contextlib import contextmanager
@@ -32,6 +33,41 @@ def die(msg, code=2):
     stop = Stopped(code)
     stop.line = f"error: {msg}"
     raise stop
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the sampling rule
+
+
+def sampling_logits(logits, seen, *, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
+    """The sampling rule, which a script hands its sampler (infra.Sampler): a decoding step's logits (rows, vocab) ->
+    the float32 logits whose softmax the step's token is drawn from, a token ruled out at -inf. In vLLM's order, so
+    that every sampler draws from the same distribution: the repetition penalty on the tokens `seen` ((rows, vocab)
+    bool: the prompt's and the completion's so far; Keskar et al. 2019: a positive logit divided by it, a negative
+    one multiplied), then the temperature (0: greedy, the first largest logit alone), min-p (Nguyen et al. 2024: a
+    token less likely than min_p times the likeliest is out), top-k (the k largest logits, ties kept) and top-p
+    (Holtzman et al. 2020: the likeliest tokens until their probability reaches top_p, at least one). transformers'
+    generate() applies min-p after top-k and top-p, which differs only where min-p and top-p are both set. The
+    defaults (temperature alone) leave softmax(logits / temperature). The loss, the KL and the importance weights
+    read the temperature-scaled, untruncated distribution (utils.logprobs_from_logits), as TRL's do."""
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if temperature == 0:
+        return torch.full_like(logits, -math.inf).scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+    logits = logits / temperature
+    if min_p > 0:
+        probs = torch.softmax(logits, -1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], -math.inf)
+    if top_p < 1.0:
+        ascending, order = logits.sort(-1)
+        below = ascending.softmax(-1).cumsum(-1) <= 1 - top_p  # the unlikeliest tokens, whose mass stays below 1 - p
+        below[:, -1] = False  # (the likeliest is kept)
+        logits = logits.masked_fill(torch.zeros_like(below).scatter_(-1, order, below), -math.inf)
+    return logits
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -520,6 +556,36 @@ def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
         kls.append(full_kl(logits, ref_logits, temperature))
         del logits, ref_logits
     return pad_cat(kls, 0.0).masked_fill(batch.unsampled, 0.0)
+
+
+def lr_factor(kind, step, total, warmup=0, min_lr_rate=0.0):
+    """The learning rate's share at update `step` (from 0) of `total`, by transformers' schedule of that name: a linear
+    rise from 0 over the `warmup` updates, then linear to 0, a half cosine to 0 (cosine_with_min_lr: to min_lr_rate),
+    or constant; "constant" has no warmup. The default, linear with no warmup, is the seed's 1 - step / total."""
+    if kind == "constant":
+        return 1.0
+    if step < warmup:
+        return step / max(1, warmup)
+    if kind == "constant_with_warmup":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    low = min_lr_rate if kind == "cosine_with_min_lr" else 0.0
+    return max(0.0, low + (1 - low) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def decay_groups(model, weight_decay):
+    """AdamW's parameter groups for a model's trainable weights: weight decay on each, but the biases and the norms'
+    weights (transformers' rule: a LayerNorm, or a name with bias, layernorm, rmsnorm or norm as a part)."""
+    norms = {name for name, module in model.named_modules() if isinstance(module, nn.LayerNorm)}
+    spared = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+    decay, rest = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            owner = name.rpartition(".")[0]
+            (rest if owner in norms or spared.search(name) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
 def minibatches(n, mini, micro, group=1, device=None):

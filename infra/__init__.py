@@ -1,13 +1,14 @@
 """The plumbing the scripts share, beside their method (utils.py): one call at each point of use, a module by concern.
 
-    flags         the flag groups every script's Args inherits
+    flags         the flag groups every script's Args inherits: the rollout, the scores, the data, the evaluation, ...
+    run_flags     ... and the run's: the batch, the optimiser and its schedule, the outputs, precision, LoRA, EMA, PTX
     models        loading models and tokenizers, the processes, the policy, reference and critic a script gets
     data          datasets, prompts (chat templates, tools' schemas), the prompts' draw, the held-out set, PTX texts
     rewards       reward functions and models, loaded and called
     environments  multi-turn environments and tools (--environment); the episode loop is utils.episodes
     rollout       the Batch and the Sampler: drawing prompts, sampling and scoring a batch, dynamic sampling's rounds
     ahead         --max_staleness: the batches of the next updates sampled in a thread on a copy of the policy
-    decode        the scripts' own decoder, generate(), and its inverse-CDF draw
+    decode        the scripts' own decoder, generate(), its inverse-CDF draw by the script's sampling rule
     graphs        --cuda_graphs (on a GPU, by default): decoding steps captured in CUDA graphs
     engine        --use_vllm: a vLLM engine in the training process
     evaluation    the held-out evaluation
@@ -23,7 +24,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 """
 
 from .data import teacher_view
-from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, RunArgs
+from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs
 from .models import load_policy, load_policy_and_critic, prepare
 from .offline import (
     ExampleArgs,
@@ -36,6 +37,7 @@ from .offline import (
 )
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
+from .run_flags import RunArgs
 from .tldr import TldrArgs
 
 __all__ = [

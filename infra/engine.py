@@ -16,17 +16,19 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from utils import INVALID_LOGPROB, die, forward, logprobs_from_logits
+from utils import INVALID_LOGPROB, die, forward, logprobs_from_logits, sampling_logits
 
 from .data import left_pad
+from .decode import as_rule
 
 
-def vllm_engine(accelerator, args, policy):
-    """A vLLM engine in this process (TRL's colocate mode) with the policy's architecture and random weights:
+def vllm_engine(accelerator, args, policy, sampling=None):
+    """A vLLM engine in this process (TRL's colocate mode) with the policy's architecture and random weights (sampling:
+    the sampling rule's settings, vllm_sampling's, refused in one line before it starts where vLLM refuses them):
     vllm_sync gives it the policy's before each rollout. With several processes each has an engine that samples
     its share of the prompts (vLLM's external_launcher: the engines join the processes' torch.distributed world). It
     reads no tokenizer (prompts go in as token ids) and reports the logprobs of the distribution it samples from
-    (logits / temperature). On a machine without CUDA it is vLLM's CPU build, given a KV cache of
+    (the sampling rule's: vllm_sampling). On a machine without CUDA it is vLLM's CPU build, given a KV cache of
     VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and this process's share of the cores. vLLM logs its errors only
     (VLLM_LOGGING_LEVEL=INFO shows the rest). A model the engine cannot run stops the run here, in one line."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, to sync in place
@@ -44,9 +46,13 @@ def vllm_engine(accelerator, args, policy):
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     start = time.time()
     try:
-        from vllm import LLM
+        from vllm import LLM, SamplingParams
     except ImportError:
         die("--use_vllm needs vLLM: see the README's 'vLLM rollouts' for the one install command")
+    try:
+        SamplingParams(**(sampling or {}))
+    except Exception as e:  # noqa: BLE001 (vLLM's own checks)
+        die(f"--use_vllm: vLLM refuses the sampling settings {sampling} ({error_line(e)})")
     backend = "uni" if args.vllm_tensor_parallel_size == 1 else None
     if accelerator.num_processes > 1:
         backend = "external_launcher"
@@ -135,7 +141,7 @@ def check_vllm_logprobs(engine, policy, model_type, bf16):
     device = next(policy.parameters()).device
     queries, mask = left_pad([[1, 2, 3, 4], [5, 6]], pad_token_id=0)
     generate_or_die = functools.partial(vllm_or_die, vllm_generate, model_type)
-    responses, engine_logprobs = generate_or_die(engine, queries, mask, k=2, max_tokens=8, temperature=1.0,
+    responses, engine_logprobs = generate_or_die(engine, queries, mask, k=2, max_tokens=8, rule=1.0,
                                                  stop_token_id=None, seeds=[1, 2], pad_token_id=0)  # fmt: skip
     queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
     ids, mask = torch.cat([queries, responses], 1).to(device), torch.cat([mask, torch.ones_like(responses)], 1).to(device)
@@ -204,10 +210,21 @@ def vllm_sync(engine, model):
     engine.reset_prefix_cache()
 
 
-def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_token_id, seeds, pad_token_id):
+def vllm_sampling(rule):
+    """The SamplingParams of a sampling rule: utils.sampling_logits's settings, which vLLM applies in the same order
+    (a script's own rule, which vLLM cannot run, is refused in one line)."""
+    rule = as_rule(rule)
+    if not isinstance(rule, functools.partial) or rule.func is not sampling_logits or rule.args:
+        name = getattr(getattr(rule, "func", rule), "__name__", rule)
+        die(f"--use_vllm samples by utils.sampling_logits's settings, which vLLM applies; the rule {name} runs on "
+            "the scripts' own sampler: leave out --use_vllm")  # fmt: skip
+    return {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, **rule.keywords}
+
+
+def vllm_generate(engine, queries, query_mask, k, max_tokens, rule, stop_token_id, seeds, pad_token_id):
     """k completions of each of the prompts (queries, query_mask: (prompts, query_len), left-padded) sampled by the vLLM
-    engine from softmax(logits / temperature), each prompt sent once with n = k and at most max_tokens tokens (a number,
-    or one per prompt); the engine seeds prompt j's k samples with seeds[j], seeds[j] + 1, ... Stops at stop_token_id
+    engine by the sampling rule (vllm_sampling), each prompt sent once with n = k and at most max_tokens tokens (a
+    number, or one per prompt); the engine seeds prompt j's k samples with seeds[j], seeds[j] + 1, ... Stops at stop_token_id
     (kept, as generate() keeps it). Returns responses (prompts * k, longest), padded with pad_token_id, and the
     engine's logprobs of their tokens (INVALID_LOGPROB on padding), on the queries' device; row j * k + i is prompt
     j's i-th completion. A completion the engine cut at its context's end stops the run in one line: its padding would
@@ -220,7 +237,7 @@ def vllm_generate(engine, queries, query_mask, k, max_tokens, temperature, stop_
     params = [
         # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
         SamplingParams(
-            n=k, temperature=temperature, max_tokens=n, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True
+            n=k, max_tokens=n, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True, **vllm_sampling(rule)
         )  # fmt: skip
         for s, n in zip(seeds, most)
     ]

@@ -2,6 +2,7 @@
 training, and their metrics rows and samples on disk.
 """
 
+import functools
 import json
 import math
 import os
@@ -12,16 +13,17 @@ from accelerate.utils import gather_object
 from utils import weighted_scores
 
 from .data import left_pad
-from .decode import generate
+from .decode import as_rule, generate
 from .models import zero3
 from .rewards import score_completions
 from .rollout import Batch, sample_completions
 
 
 def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, stop_token_id, batch_size, k=0,
-             temperature=1.0, seed=0, sampler=None, measure=None):  # fmt: skip
+             rule=1.0, seed=0, sampler=None, measure=None):  # fmt: skip
     """Completions of the held-out prompts scored by the reward sources (the weighted score, as in training): a greedy one per
-    prompt (eval/scores: with a 0/1 reward such as accuracy, pass@1), and with k > 0, k sampled at temperature (eval/mean@k,
+    prompt (the sampling rule at temperature 0: a repetition penalty applies; eval/scores: with a 0/1 reward such as
+    accuracy, pass@1), and with k > 0, k sampled by rule (the run's sampling rule, or a temperature) (eval/mean@k,
     the mean score of the samples; eval/pass@k, the mean over prompts of the best sample's score: with a 0/1 reward, the share
     of prompts some sample solved). As in training, a completion no source scored (each returned None) has no score and is in
     no mean; eval/unscored (and eval/unscored@k) count them. The samples draw their noise from a generator of their own seeded
@@ -33,6 +35,8 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
     tools/judge_tldr.py judges. model: the policy as accelerate prepared it (PPO's PolicyAndValue: its policy)."""
     policy = accelerator.unwrap_model(model)
     policy = getattr(policy, "policy", policy)
+    rule = as_rule(rule)
+    greedy = functools.partial(rule, temperature=0.0)
     queries, texts, references, columns, raw = eval_set
     env = sampler.env if sampler is not None else None
     width = response_length * (sampler.args.max_turns if env is not None else 1)  # the noise of every turn
@@ -72,7 +76,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             seeds=None,
             max_length=response_length,
             k=repeat,
-            temperature=temperature if noise is not None else 0.0,
+            rule=rule if noise is not None else greedy,
             engine=False,
         )
         per_source = sampler.score_episodes(ids, response, lengths, prompts, rows)
@@ -90,7 +94,7 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             query_mask,
             k=repeat,
             max_length=response_length,
-            temperature=temperature if noise is not None else 0.0,
+            rule=rule if noise is not None else greedy,
             stop_token_id=stop_token_id,
             pad_token_id=tokenizer.pad_token_id,
             uniforms=noise,

@@ -1,18 +1,19 @@
-"""The flag groups every script's Args inherits (rollout, scores, model and data, evaluation, groups, environments,
-the run; the TL;DR scripts' own in tldr.py), each checking its own flags as they are parsed, so that flags stay flat
-and --help lists every one; infra reads only the fields defined here and in tldr.py.
+"""The flag groups every script's Args inherits (rollout, scores, model and data, evaluation, groups, environments;
+the run's in run_flags.py, the TL;DR scripts' own in tldr.py), each checking its own flags as they are parsed, so that
+flags stay flat and --help lists every one; infra reads only the fields defined here, in run_flags.py and in tldr.py.
 """
 
 import dataclasses
+import inspect
+import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, Optional
 
 import tyro
 
-from utils import die
+from utils import die, sampling_logits
 
 from .data import REPO, check_paths, note
 
@@ -24,6 +25,18 @@ def at_least(args, bound, *names):
     for name in names:
         if getattr(args, name) is not None and getattr(args, name) < bound:
             die(f"--{name} must be at least {bound}, got {getattr(args, name)}")
+
+
+def json_object(args, name):
+    """A flag holding a JSON object (TRL's dict flags), as a dict ({} for None), or one line saying what is wrong"""
+    text = getattr(args, name)
+    try:
+        value = {} if text is None else json.loads(text)
+    except json.JSONDecodeError as e:
+        die(f"--{name} must be a JSON object ('{{\"name\": value, ...}}'): {e}")
+    if not isinstance(value, dict):
+        die(f"--{name} must be a JSON object ('{{\"name\": value, ...}}'), got {text}")
+    return value
 
 
 class Checked:
@@ -50,6 +63,17 @@ class RolloutArgs(Checked):
     included (TRL's LengthSampler excludes the upper bound); None: always response_length"""
     temperature: float = 0.7
     """sampling temperature; logprobs are recomputed from logits / temperature, the distribution sampled from"""
+    top_k: int = 0
+    """draw from the k likeliest tokens only (0: all); the loss, the KL and the importance weights read the
+    untruncated distribution, logits / temperature, as TRL's do (docs/algorithms.md), here and for the three below"""
+    top_p: float = 1.0
+    """draw from the likeliest tokens until their probability reaches top_p (nucleus sampling; 1: all)"""
+    min_p: float = 0.0
+    """leave out the tokens less likely than min_p times the likeliest (0: none)"""
+    repetition_penalty: float = 1.0
+    """divide the logit of each token in the prompt or the completion so far by this (a negative one: multiply)"""
+    generation_kwargs: Optional[str] = None
+    """the sampling rule's settings (utils.sampling_logits' keywords) as a JSON object, over the flags above (TRL's)"""
     stop_token: Optional[Literal["eos"]] = "eos"
     """stop generating at the tokenizer's EOS token ('eos') or never (None)"""
     stop_token_id: Optional[int] = None
@@ -100,6 +124,19 @@ class RolloutArgs(Checked):
     def __post_init__(self):
         if self.temperature <= 0:
             die(f"--temperature must be positive, got {self.temperature}")
+        settings, known = self.sampling, set(inspect.signature(sampling_logits).parameters)
+        if "temperature" in settings:
+            die("--generation_kwargs: give the temperature with --temperature (the logprobs read it too)")
+        if set(settings) - known:
+            die(f"--generation_kwargs: utils.sampling_logits takes no {', '.join(sorted(set(settings) - known))}")
+        for name, ok, words in [
+            ("top_k", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+            ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("repetition_penalty", lambda v: v > 0, "positive"),
+        ]:
+            if type(settings[name]) not in (int, float) or not ok(settings[name]):
+                die(f"--{name} must be {words}, got {settings[name]!r}")
         at_least(self, 1, "response_length", "local_rollout_forward_batch_size", "vllm_tensor_parallel_size")
         at_least(self, 0, "stop_token_id", "max_staleness")
         if self.response_length_min is not None and not 1 <= self.response_length_min <= self.response_length:
@@ -120,12 +157,17 @@ class RolloutArgs(Checked):
             die("--vllm_importance_sampling_clip_max must be > 0 and --vllm_importance_sampling_clip_min in [0, clip_max]")
         super().__post_init__()
 
+    @property
+    def sampling(self):
+        """The sampling rule's settings, the run's temperature, top-k, top-p, min-p and repetition penalty, then
+        --generation_kwargs' (utils.sampling_logits' keywords)."""
+        names = ("top_k", "top_p", "min_p", "repetition_penalty")
+        return {**{name: getattr(self, name) for name in names}, **json_object(self, "generation_kwargs")}
+
     def importance_sampling(self, default_mode):
         """The arguments of utils.importance_weights: the mode (the script's default_mode unless one is given), bounds."""
-        mode = self.vllm_importance_sampling_mode or default_mode
-        return dict(
-            mode=mode, clip_min=self.vllm_importance_sampling_clip_min, clip_max=self.vllm_importance_sampling_clip_max
-        )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        return dict(mode=self.vllm_importance_sampling_mode or default_mode, clip_min=low, clip_max=high)
 
 
 @dataclass
@@ -177,9 +219,13 @@ class DataArgs(ScoreArgs):
     """prompts longer than this many tokens are dropped"""
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
+    chat_template_kwargs: Optional[str] = None
+    """the chat template's keyword arguments as a JSON object (TRL's), for every prompt the policy reads, e.g.
+    '{"enable_thinking": false}' for Qwen3"""
 
     def __post_init__(self):
         at_least(self, 1, "max_prompt_length")
+        json_object(self, "chat_template_kwargs")
         check_paths(self, "model_name_or_path", "reward_model_path", "reward_fn", "dataset_name", "chat_template")
         super().__post_init__()
 
@@ -256,147 +302,4 @@ class EnvArgs(Checked):
         check_paths(self, "environment")
         if self.max_episode_tokens is None:
             self.max_episode_tokens = self.max_turns * self.response_length
-        super().__post_init__()
-
-
-@dataclass
-class TrainArgs(Checked):
-    """The batch and its optimisation, the experiment and its outputs, precision, LoRA and EMA, and the sizes filled in
-    at runtime (no flags): every script's."""
-
-    # the batch and its optimisation
-    total_episodes: int = 384
-    """total completions to train on, a multiple of the batch"""
-    per_device_train_batch_size: int = 8
-    """completions per forward/backward pass on each device"""
-    gradient_accumulation_steps: int = 2
-    """micro-batches accumulated per optimiser step"""
-    num_mini_batches: int = 1
-    """optimiser steps per epoch over the batch"""
-    learning_rate: float = 5e-5
-    """the AdamW learning rate, annealed linearly to zero"""
-
-    # experiment
-    exp_name: str = dataclasses.field(default_factory=lambda: os.path.splitext(os.path.basename(sys.argv[0]))[0])
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    output_dir: Optional[str] = None
-    """where metrics.jsonl, checkpoints and the trained model go; None: output/{exp_name}__{seed}__{time}"""
-    quiet: bool = False
-    """print no line per update, configuration or sample table: only where the run writes, evaluations, notes and errors"""
-    track: bool = False
-    """log to Weights and Biases"""
-    wandb_project_name: str = "rlhf-scripts"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
-    checkpoint_every: int = 0
-    """write a checkpoint to output_dir every this many updates (0: never)"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep"""
-    resume: bool = False
-    """continue the run in --output_dir from its newest complete checkpoint"""
-    save_model: bool = True
-    """save the trained model and tokenizer to output_dir at the end, with a model card (output_dir/README.md)"""
-    push_to_hub: bool = False
-    """at the end, upload output_dir (model, tokenizer, card, args.json, metrics.jsonl; no checkpoints) to the hub"""
-    hub_model_id: Optional[str] = None
-    """the hub repo --push_to_hub uploads to, e.g. your-name/model-name (created if missing)"""
-    hub_private: bool = False
-    """create the hub repo as a private one"""
-    trust_remote_code: bool = False
-    """let transformers run model code shipped with the checkpoint"""
-
-    # optimisation
-    max_grad_norm: float = 1.0
-    """gradient clipping norm (0: no clipping, as TRL)"""
-    bf16: bool = False
-    """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
-    use_peft: bool = False
-    """train LoRA adapters (peft) on every linear layer of the model instead of all its weights; a script's reference
-    is then the model with its adapters switched off, so no second copy is held"""
-    lora_r: int = 16
-    """the LoRA rank"""
-    lora_alpha: int = 32
-    """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
-    merge_lora: bool = False
-    """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
-    ema_beta: Optional[float] = None
-    """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
-    (LightRFT's EMA model); in [0, 1), None: off"""
-    ema_cpu: bool = False
-    """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
-    # to be filled in at runtime
-    distributed_type: tyro.conf.Suppress[str] = ""
-    """how accelerate runs the processes (NO, MULTI_GPU, DEEPSPEED, ...)"""
-    world_size: tyro.conf.Suppress[int] = 0
-    """the number of processes"""
-    local_mini_batch_size: tyro.conf.Suppress[int] = 0
-    """completions per optimiser step on each process"""
-    local_batch_size: tyro.conf.Suppress[int] = 0
-    """completions per update on each process"""
-    batch_size: tyro.conf.Suppress[int] = 0
-    """completions per update on all processes"""
-    num_updates: tyro.conf.Suppress[int] = 0
-    """the number of updates of the run"""
-    local_prompts: tyro.conf.Suppress[int] = 0
-    """prompts per update on each process"""
-
-    def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
-        at_least(self, 1, "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches")
-        at_least(self, 0, "learning_rate", "max_grad_norm", "checkpoint_every")  # (max_grad_norm 0: no clipping)
-        at_least(self, 1, "keep_checkpoints", *(["lora_r", "lora_alpha"] if self.use_peft else []))
-        if not 0 <= self.seed < 2**32:
-            die(f"--seed must be in [0, 2**32), got {self.seed}")
-        if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
-            die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
-        if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
-            die("--ema_beta does not work with --use_peft yet")
-        if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package
-            if not self.hub_model_id:
-                die("--push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)")
-            if not self.save_model:
-                die("--push_to_hub uploads the saved model; drop --no_save_model")
-            try:
-                from huggingface_hub.utils import validate_repo_id
-            except ImportError:
-                die("--push_to_hub needs the huggingface_hub package: pip install huggingface_hub")
-            try:
-                validate_repo_id(self.hub_model_id)
-            except ValueError as e:
-                die(f"--hub_model_id {self.hub_model_id!r} is not a hub repo id: {str(e).strip().splitlines()[0]}")
-        super().__post_init__()
-
-
-@dataclass
-class RunArgs(TrainArgs):
-    """The RL scripts' run: TrainArgs, then the samples they print and write, and LightRFT's PTX loss."""
-
-    num_sample_generations: int = 10
-    """how many times per run to print a table of sample completions (0: never)"""
-    log_completions: bool = False
-    """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
-    and with --track a wandb table of each update's"""
-    ptx_coef: float = 0.0
-    """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
-    loss); 0: off"""
-    ptx_dataset: Optional[str] = None
-    """the PTX texts: a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder (needed when ptx_coef > 0)"""
-    ptx_split: str = "train"
-    """the split of --ptx_dataset"""
-    ptx_text_field: str = "text"
-    """the column of --ptx_dataset holding the texts"""
-    ptx_max_length: Optional[int] = None
-    """PTX texts are cut to this many tokens; None: max_prompt_length + response_length"""
-
-    def __post_init__(self):
-        at_least(self, 0, "num_sample_generations", "ptx_coef")
-        if self.ptx_coef > 0 and not self.ptx_dataset:
-            die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
-        if self.ptx_max_length is not None and self.ptx_max_length < 2:
-            die(f"--ptx_max_length must be at least 2 (a next-token loss needs two tokens), got {self.ptx_max_length}")
-        check_paths(self, "ptx_dataset")
         super().__post_init__()

@@ -9,7 +9,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 
 from utils import forward, logprobs_from_logits
 
-from .decode import generate, sample_tokens
+from .decode import as_rule, generate, sample_tokens, seen_tokens
 from .engine import error_line, logprobs_differ
 from .models import zero3
 
@@ -33,7 +33,7 @@ class GraphDecoder:
     """--cuda_graphs: generate() with each decoding step (one token per row through the model over a static KV cache,
     and its draw) captured once in a CUDA graph and replayed, one launch per step instead of one per kernel: a small
     model's decoding is bound by its launches. The prompts prefill the cache in a plain forward pass. One graph per
-    model, rows, cache length (prompt + response, rounded up to 128 tokens), temperature and precision, made on first
+    model, rows, cache length (prompt + response, rounded up to 128 tokens), sampling rule and precision, made on first
     use and then checked against the plain forward pass (the run stops in one line where it differs, or where the
     model cannot be captured); the `kept` most recently used are kept, each with its cache. Called as generate(), the
     same tokens up to rounding, but each row prefills its own prompt (group is not used; synced, ZeRO-3, is refused).
@@ -44,9 +44,9 @@ class GraphDecoder:
     def __init__(self, capture=True, kept=4):
         self.capture, self.kept, self.graphs, self.pool, self.off = capture, kept, {}, None, None
 
-    def __call__(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None,
+    def __call__(self, model, queries, query_mask, response_length, rule, stop_token_id=None, uniforms=None,
                  max_position=None, **rest):  # fmt: skip
-        args = (model, queries, query_mask, response_length, temperature, stop_token_id, uniforms)
+        args = (model, queries, query_mask, response_length, rule, stop_token_id, uniforms)
         if self.off is None:
             # autocast keeps one cast of each trainable weight per region, and a model that opens its own region
             # inside (accelerate's bf16 forward) would have the graph read a cast made once, outside it, for good:
@@ -69,14 +69,17 @@ class GraphDecoder:
         return generate(*args, max_position=max_position, **rest)
 
     @torch.no_grad()
-    def decode(self, model, queries, query_mask, response_length, temperature, stop_token_id=None, uniforms=None,
+    def decode(self, model, queries, query_mask, response_length, rule, stop_token_id=None, uniforms=None,
                max_position=None):  # fmt: skip
         rows, width = queries.shape
         device = queries.device
         uniforms = (torch.rand(rows, response_length) if uniforms is None else uniforms).to(device)
         precision = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         size = -(-(width + response_length) // 128) * 128
-        key = (id(model), rows, size, temperature, precision)
+        rule = as_rule(rule)
+        # (a rule made anew with the same settings, functools.partial's, is the same graph's)
+        same = (rule.func, rule.args, tuple(sorted(rule.keywords.items()))) if isinstance(rule, functools.partial) else rule
+        key = (id(model), rows, size, same, precision)
         weights = [p.data_ptr() for p in model.parameters()]
         kind = model.config.model_type
         g = self.graphs.pop(key, None)  # (put back last: the most recently used)
@@ -121,7 +124,12 @@ class GraphDecoder:
             if g.checked:
                 raise
             raise Refused(f"this {kind} model cannot decode over a static cache ({error_line(e)})") from e
-        token = sample_tokens(out.logits[:, -1], temperature, uniforms[:, 0])
+        present = seen_tokens(queries, query_mask, out.logits.shape[-1])
+        if g.present is None:
+            g.present = present
+        g.present.copy_(present)  # (into the tensor the graph reads)
+        token = sample_tokens(out.logits[:, -1], rule, uniforms[:, 0], g.present)
+        g.present.scatter_(1, token, True)
         tokens = [token]
         g.position.copy_((query_mask.sum(1, keepdim=True) - 1).clamp(min=0))  # (generate()'s, an empty prompt too)
         g.at.fill_(width - 1)
@@ -138,8 +146,9 @@ class GraphDecoder:
                 past_key_values=g.cache,
                 use_cache=True,
             ).logits[:, -1]
-            chosen = sample_tokens(logits, temperature, g.uniform)  # (rows, 1)
-            return chosen, torch.log_softmax(logits.float() / (temperature or 1.0), -1).gather(-1, chosen)[:, 0]
+            chosen = sample_tokens(logits, rule, g.uniform, g.present)  # (rows, 1)
+            g.present.scatter_(1, chosen, True)
+            return chosen, torch.log_softmax(logits.float(), -1).gather(-1, chosen)[:, 0]  # (for the check)
 
         for t in range(1, response_length):
             if stop_token_id is not None:
@@ -163,7 +172,7 @@ class GraphDecoder:
             logprobs.append(logprob)
         tokens = torch.cat(tokens, dim=1)
         if not g.checked and logprobs:
-            self.check(model, queries, query_mask, tokens, logprobs, temperature, kind)
+            self.check(model, queries, query_mask, tokens, logprobs, kind)
             g.checked = True
         self.graphs[key] = g
         while len(self.graphs) > self.kept:  # the least recently used goes, its cache and graph with it
@@ -172,8 +181,9 @@ class GraphDecoder:
 
     def record(self, g, step, kind):
         """Capture step() in g.graph, after two runs on a side stream (which CUDA graphs need); those write the cache's
-        next position, which the step after them writes again."""
+        next position, which the step after them writes again, and the tokens present, which are put back."""
         lengths = [layer.cumulative_length.clone() for layer in g.cache.layers]
+        present = g.present.clone()
         # (autocast's cache of cast weights off: the graph must cast the weights at each replay, not keep one cast)
         uncached = functools.partial(torch.autocast, "cuda", enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         stream = torch.cuda.current_stream()
@@ -185,6 +195,7 @@ class GraphDecoder:
                     step()
                     for layer, n in zip(g.cache.layers, lengths):
                         layer.cumulative_length.copy_(n)
+                    g.present.copy_(present)
             torch.cuda.current_stream().wait_stream(side)
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             g.graph = torch.cuda.CUDAGraph()
@@ -198,7 +209,7 @@ class GraphDecoder:
             raise Refused(f"this {kind} model's decoding step cannot be captured ({error_line(e)})") from e
 
     @staticmethod
-    def check(model, queries, query_mask, tokens, logprobs, temperature, kind):
+    def check(model, queries, query_mask, tokens, logprobs, kind):
         """Refused unless the graph's logprob of each token it drew is the plain forward pass's (logprobs_differ; bf16:
         autocast's or the model's own)."""
         drawn = tokens[:, 1 : 1 + len(logprobs)]
@@ -207,7 +218,7 @@ class GraphDecoder:
         plain = []
         for rows in torch.arange(len(ids)).split(8):  # (a few rows at a time: the logits are rows x width x vocab)
             logits = forward(model, ids[rows], mask[rows], logits_to_keep=tokens.shape[1]).logits[:, : drawn.shape[1]]
-            plain.append(logprobs_from_logits(logits, drawn[rows], temperature or 1.0))
+            plain.append(logprobs_from_logits(logits, drawn[rows]))
         plain = torch.cat(plain)
         diff = (plain - torch.stack(logprobs, 1)).abs()
         low = torch.is_autocast_enabled(queries.device.type) or next(model.parameters()).dtype != torch.float32
@@ -231,7 +242,8 @@ class OneTypeLayer(StaticLayer):
 
 class StaticBuffers:
     """A GraphDecoder graph's inputs, held where the graph reads them: each row's current token, position and uniform
-    number, the cache position being written, and which of the cache's keys each row may read."""
+    number, the cache position being written, which of the cache's keys each row may read, and the tokens present in
+    each row (prompt and completion so far: the repetition penalty's), (rows, vocab), made at the first prefill."""
 
     def __init__(self, rows, size, device, weights, cache, eager):
         self.weights, self.cache, self.eager = weights, cache, eager  # (eager attention: masks added to the scores)
@@ -242,6 +254,7 @@ class StaticBuffers:
         self.at = torch.zeros(1, dtype=torch.long, device=device)
         self.keys = torch.zeros(rows, size, dtype=torch.bool, device=device)
         self.span = torch.arange(size, device=device)
+        self.present = None
 
     def mask(self, seen, dtype):
         """the attention mask the model takes as given (4D): booleans for sdpa, added to the scores for eager"""

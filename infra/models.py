@@ -4,6 +4,7 @@ gets: LoRA, gradient checkpointing, the optimiser, preparation, and saving.
 """
 
 import copy
+import functools
 import importlib.util
 import json
 import logging
@@ -140,9 +141,10 @@ def load_adapters(name, path, trust_remote_code=False):
     return model
 
 
-def load_tokenizer(name, trust_remote_code=False, chat_template=None):
+def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_kwargs=None):
     """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none);
-    chat_template: a Jinja file that replaces its chat template (--chat_template, saved with the model)."""
+    chat_template: a Jinja file that replaces its chat template (--chat_template, saved with the model);
+    template_kwargs: the chat template's keyword arguments in every rendering (--chat_template_kwargs)."""
     from transformers import AutoTokenizer
 
     tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code)
@@ -157,6 +159,8 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=None):
         if not os.path.isfile(chat_template):
             die(f"--chat_template file {chat_template!r} does not exist")
         tokenizer.chat_template = open(chat_template).read()
+    if template_kwargs:  # (this tokenizer object's renderings only: not saved)
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **template_kwargs)
     return tokenizer
 
 

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from utils import die, init_value_head, packed_mask
 
 from .data import Shuffled, check_paths, note, read_dataset
-from .flags import TrainArgs
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
+from .run_flags import TrainArgs
 
 
 @dataclass

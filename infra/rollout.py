@@ -9,12 +9,12 @@ from typing import Optional
 
 import torch
 
-from utils import INVALID_LOGPROB, die, episodes, pad_cat
+from utils import INVALID_LOGPROB, die, episodes, pad_cat, sampling_logits
 
 from .ahead import Ahead
 from .data import cat_rows, completion_ids, draw_prompts, left_pad, select_groups, take_rows
-from .decode import generate
-from .engine import vllm_engine, vllm_generate, vllm_sync
+from .decode import bind_rule, generate
+from .engine import vllm_engine, vllm_generate, vllm_sampling, vllm_sync
 from .environments import episode_stats
 from .graphs import decoder
 from .hooks import notify
@@ -71,16 +71,18 @@ class Sampler:
     sampling), in rounds, until every process has enough groups the rule keeps. What a script does with the scores
     (their weighted sum, penalties, scaling) is the script's."""
 
-    def __init__(self, run, policy):
+    def __init__(self, run, policy, rule=sampling_logits):
         self.run, self.args, self.policy, self.k, self.env = run, run.args, policy, run.k, run.env
-        self.model = None  # a copy of the policy that samples instead (--max_staleness's worker)
         args, accelerator = run.args, run.accelerator
+        # the script's sampling rule with the run's settings (an engine applies utils.sampling_logits' itself)
+        self.rule = bind_rule(rule, temperature=args.temperature, **args.sampling)
+        self.model = None  # a copy of the policy that samples instead (--max_staleness's worker)
         self.chunk = args.local_rollout_forward_batch_size
         # a prompt's k completions run the prompt once (generate, forward_grouped) where every chunk holds whole prompts
         self.group = self.k if self.chunk % self.k == 0 else 1
         self.engine = None
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
-            self.engine = vllm_engine(accelerator, args, self.unwrapped())
+            self.engine = vllm_engine(accelerator, args, self.unwrapped(), vllm_sampling(self.rule))
         self.decode = decoder(run)  # CUDA graphs where they work (--cuda_graphs), else generate()
         # the most tokens an episode's context may hold, its prompt included: the model's positions, and the episode's
         # whole budget (the engine's length, with or without an engine: the same episodes either way)
@@ -226,12 +228,11 @@ class Sampler:
             engine=engine[:, : responses.shape[1]] if engine is not None else None,
         )  # fmt: skip
 
-    def complete(
-        self, queries, query_mask, uniforms, seeds, max_length, k=None, group=None, temperature=None, engine=True, room=None
-    ):
-        """the rows' completions, and the vLLM engine's logprobs of them with --use_vllm; room (an episode's turn): each
-        prompt's most tokens, which its context holds (the engine is asked no more; the scripts' sampler draws up to
-        max_length, a row's tokens past its room thrown away, their positions held at the context's last)"""
+    def complete(self, queries, query_mask, uniforms, seeds, max_length, k=None, group=None, rule=None, engine=True,
+                 room=None):  # fmt: skip
+        """the rows' completions (by the run's sampling rule, or rule), and with --use_vllm the engine's logprobs of them;
+        room (an episode's turn): each prompt's most tokens, which its context holds (the engine is asked no more; the
+        scripts' sampler draws up to max_length, a row's tokens past its room thrown away, positions held at its end)"""
         return sample_completions(
             self.unwrapped(),
             self.engine if engine else None,
@@ -239,7 +240,7 @@ class Sampler:
             query_mask,
             k=k or self.k,
             max_length=max_length,
-            temperature=self.args.temperature if temperature is None else temperature,
+            rule=self.rule if rule is None else rule,
             stop_token_id=self.run.stop_token_id,
             pad_token_id=self.run.tokenizer.pad_token_id,
             uniforms=uniforms[:, :max_length] if uniforms is not None else None,
@@ -252,7 +253,7 @@ class Sampler:
             max_position=None if room is None or self.context is None else self.context - 1,
         )
 
-    def play(self, prompts, rows, env_seeds, uniforms, seeds, max_length, k=None, temperature=None, engine=True):
+    def play(self, prompts, rows, env_seeds, uniforms, seeds, max_length, k=None, rule=None, engine=True):
         """--environment: k episodes of each prompt (utils.episodes; prompts as the dataset holds them, rows their dataset
         rows, the prompt's column included, as TRL passes them), each environment reset from its prompt's row, its
         random stream seeded by env_seeds (one per prompt: a prompt's k episodes start alike, so that they make a
@@ -287,12 +288,12 @@ class Sampler:
             if turn == 0 and len(rows) == len(prompts):  # every episode's first turn: k completions of each prompt
                 group = k if self.chunk % k == 0 else 1
                 room = [min(length, r) for r in room[::k]]
-                return self.complete(queries, query_mask, noise, seeds, length, k, group, temperature, engine, room)
+                return self.complete(queries, query_mask, noise, seeds, length, k, group, rule, engine, room)
             # one completion of each row, which the engine seeds by its prompt's seed, the turn and the row's place in
             # its group (so that a row's seed is the same whichever process plays it)
             row_seeds = None if seeds is None else [(int(seeds[r // k]) + 7919 * turn + r % k) % 2**31 for r in rows]
             room = [min(length, r) for r in room]
-            return self.complete(queries, query_mask, noise, row_seeds, length, 1, 1, temperature, engine, room)
+            return self.complete(queries, query_mask, noise, row_seeds, length, 1, 1, rule, engine, room)
 
         tokens, policy, engine_logprobs, turns, cut, capped = episodes(
             sample,
@@ -394,7 +395,7 @@ def sample_completions(
     *,
     k,
     max_length,
-    temperature,
+    rule,
     stop_token_id,
     pad_token_id,
     uniforms,
@@ -407,7 +408,7 @@ def sample_completions(
     max_position=None,
 ):
     """A rollout's completions of its rows (queries, query_mask: (prompts * k, query_len), left-padded, a prompt's k rows
-    adjacent), up to max_length tokens at temperature: the vLLM engine's (--use_vllm; it must hold model's weights:
+    adjacent), up to max_length tokens by the sampling rule: the vLLM engine's (--use_vllm; it must hold model's weights:
     vllm_sync), which gets each prompt once with its seed and its most tokens (room: one per prompt; None: max_length),
     else decode's (generate(), or a GraphDecoder) on model, chunk rows at a time with their uniforms, positions past
     max_position held there. Returns (responses (rows, width) padded with pad_token_id, the engine's logprobs of them
@@ -419,7 +420,7 @@ def sample_completions(
             query_mask[::k],
             k=k,
             max_tokens=max_length if room is None else room,
-            temperature=temperature,
+            rule=rule,
             stop_token_id=stop_token_id,
             seeds=seeds,
             pad_token_id=pad_token_id,
@@ -438,7 +439,7 @@ def sample_completions(
                 queries[rows],
                 query_mask[rows],
                 response_length=max_length,
-                temperature=temperature,
+                rule=rule,
                 stop_token_id=stop_token_id,
                 uniforms=uniforms[rows] if uniforms is not None else None,
                 group=group,

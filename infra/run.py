@@ -17,6 +17,7 @@ from . import tldr
 from .data import Shuffled, lm_loss, load_eval, load_prompts, load_ptx, note, ptx_batch
 from .environments import Environments
 from .evaluation import evaluate, record_eval
+from .flags import json_object
 from .hooks import notify
 from .models import check_accelerate_config, load_tokenizer, process_group_kwargs, save_policy, zero3
 from .outputs import (
@@ -53,7 +54,12 @@ class Run:
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
         sources (in --reward_weights' order: reward models, then functions) and the PTX texts; then their draws."""
         args, accelerator = self.args, self.accelerator
-        self.tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, getattr(args, "chat_template", None))
+        self.tokenizer = load_tokenizer(
+            args.model_name_or_path,
+            args.trust_remote_code,
+            chat_template=getattr(args, "chat_template", None),
+            template_kwargs=json_object(args, "chat_template_kwargs") if hasattr(args, "chat_template_kwargs") else None,
+        )
         self.stop_token_id = args.stop_token_id
         if self.stop_token_id is None and args.stop_token == "eos":
             self.stop_token_id = self.tokenizer.eos_token_id
@@ -239,7 +245,7 @@ class Run:
             stop_token_id=self.stop_token_id,
             batch_size=args.eval_batch_size,
             k=args.num_eval_generations,
-            temperature=args.temperature,
+            rule=self.sampler.rule if self.sampler is not None else args.temperature,
             seed=args.seed + self.episode,  # the same samples in a resumed run
             sampler=self.sampler,
             measure=self.measure,

@@ -118,7 +118,7 @@ def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them
         model = weights_of(eos_model_dir, batch.version, out)
         mask = batch.attention_mask[:, : batch.context_length]
         again, _ = sample_completions(
-            model, None, batch.queries, mask, k=4, max_length=8, temperature=1.0, stop_token_id=tokenizer.eos_token_id,
+            model, None, batch.queries, mask, k=4, max_length=8, rule=1.0, stop_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             uniforms=prompts.uniforms, seeds=None, chunk=batch.chunk, group=batch.group,
         )  # fmt: skip

@@ -298,34 +298,39 @@ def test_generate_equals_a_greedy_full_forward(name, attn):
             token = utils.forward(model, seqs, mask).logits[:, -1].argmax(-1, keepdim=True)
             seqs, mask = torch.cat([seqs, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
     for group in (1, 3):
-        responses = infra.decode.generate(model, queries, qmask, response_length=6, temperature=0, group=group)
+        responses = infra.decode.generate(model, queries, qmask, response_length=6, rule=0, group=group)
         assert responses.tolist() == seqs[:, queries.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("name, attn", SUPPORTED)
 def test_graph_decoder_draws_what_generate_draws(name, attn):
     """--cuda_graphs' decoding (GraphDecoder: a static KV cache and 4D masks, run here without the capture, which needs a
-    GPU) against generate(): the same tokens from the same uniforms, greedy and at temperature 0.7, in fp32 and under
-    bf16 autocast, with left-padded prompts and a stop token, twice on one graph (its cache reset between calls), the
-    least recently used graph dropped; or, for a family it refuses (a cache that is not a plain static one: sliding or
+    GPU) against generate(): the same tokens from the same uniforms, greedy and at temperature 0.7, with top-k, top-p,
+    min-p and a repetition penalty (the tokens present kept in the graph's buffer), in fp32 and under bf16 autocast,
+    with left-padded prompts and a stop token, twice on one graph (its cache reset between calls), the least recently
+    used graph dropped; or, for a family it refuses (a cache that is not a plain static one: sliding or
     chunked windows), generate()'s tokens from the first call on, with one line saying why."""
     model = build(name, attn)
     queries, qmask, *_ = batch(k=2)
     decoder = infra.graphs.GraphDecoder(capture=False, kept=2)
     uniforms = torch.rand(len(queries), 12, generator=torch.Generator().manual_seed(1))
     # (the third: the graph made by the second; the last under bf16 autocast, as the scripts sample with --bf16)
-    for temperature, bf16 in [(0.0, False), (0.7, False), (0.7, False), (0.7, True)]:
+    truncated = functools.partial(
+        utils.sampling_logits, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3
+    )
+    for rule, bf16 in [(0.0, False), (0.7, False), (0.7, False), (truncated, False), (0.7, True)]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            expected = infra.decode.generate(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
-            got = decoder(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
+            expected = infra.decode.generate(model, queries, qmask, 12, rule, stop_token_id=5, uniforms=uniforms)
+            got = decoder(model, queries, qmask, 12, rule, stop_token_id=5, uniforms=uniforms)
         assert got.tolist() == expected.tolist()
         if name in GRAPH_REFUSED:
             assert decoder.off.startswith("--cuda_graphs: ") and model.config.model_type in decoder.off, decoder.off
             assert "\n" not in decoder.off and not decoder.graphs
             return
         assert decoder.off is None
-    # the two most recently used graphs kept (the greedy one gone), each checked when made
-    assert [key[3:] for key in decoder.graphs] == [(0.7, None), (0.7, torch.bfloat16)]
+    # the two most recently used graphs kept (the others gone), each checked when made
+    kept = [(dict(key[3][2]), key[4]) for key in decoder.graphs]
+    assert kept == [(truncated.keywords, None), ({"temperature": 0.7}, torch.bfloat16)]
     assert all(g.checked for g in decoder.graphs.values())
 
 

@@ -26,7 +26,8 @@ ALLOWED = {
     "ptx_coef": [0.0], "kl_coef": [0.0], "cliprange": [0.0], "cliprange_value": [0.0], "vf_coef": [0.0], "gamma": [0.0],
     "lam": [0.0], "entropy_coef": [-1.0, 0.0], "top_entropy_quantile": [0.0], "epsilon": [0.0], "epsilon_high": [0.0],
     "beta": [0.0], "lmbda": [0.0], "label_smoothing": [0.0], "center_rewards_coefficient": [0.0],
-    "reward_weights": [],
+    "reward_weights": [], "top_k": [0], "min_p": [0.0], "warmup_ratio": [0.0], "warmup_steps": [0], "min_lr_rate": [0.0],
+    "weight_decay": [0.0], "adam_beta1": [0.0], "adam_beta2": [0.0],
 }  # fmt: skip
 ALLOWED_IN = {("dpo.py", "beta"): []}  # (DPO's beta divides: it must be positive)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
@@ -128,6 +129,19 @@ def test_every_number_outside_its_range_is_one_line_before_any_model_loads(
         ("sft.py", "--gradient_accumulation_steps 0", "--gradient_accumulation_steps must be at least 1, got 0"),
         ("dpo.py", "--learning_rate -1", "--learning_rate must be at least 0, got -1.0"),
         ("ppo.py", "--temperature nan", "--temperature must be a finite number, got nan"),
+        ("grpo.py", """--generation_kwargs '{"top_q": 0.5}'""", "--generation_kwargs: utils.sampling_logits takes no top_q"),
+        ("rloo.py", """--generation_kwargs '{"top_k": 2.5}'""", "--top_k must be an integer >= 0, got 2.5"),
+        (
+            "distill.py",
+            """--generation_kwargs '{"temperature": 0.5}'""",
+            "--generation_kwargs: give the temperature with --temperature (the logprobs read it too)",
+        ),
+        (
+            "ppo.py",
+            """--chat_template_kwargs '{"enable_thinking": false,}'""",
+            """--chat_template_kwargs must be a JSON object ('{"name": value, ...}'): Expecting property name enclosed in """
+            "double quotes: line 1 column 27 (char 26)",
+        ),
     ],
 )
 def test_run_values_below_range_stop_the_process_in_one_line(script, flags, message, run, tmp_path):

@@ -66,6 +66,61 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_mode
     assert model(**tok("hello there", return_tensors="pt")).logits.shape[-1] == model.config.vocab_size
 
 
+def test_the_sampling_flags_reach_the_rollout_and_the_evaluation(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--top_k 1: a prompt's k completions are its likeliest, alike (their advantages, so the loss, 0), and the
+    evaluation's samples are its greedy completions, while the logprobs stay those of logits / temperature, untruncated;
+    --chat_template_kwargs reach the chat template (this one refuses to render without its keyword). The optimiser's
+    flags: with no gradient, AdamW only decays, each weight but the biases and norms by (1 - lr * weight_decay) at each
+    update, with the learning rates of transformers' cosine schedule after a warmup."""
+    import torch
+    from conftest import with_chat_template
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    template = (
+        "{% if plain is not defined %}{{ raise_exception('plain is not set') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}> {% endif %}"
+    )
+    model = with_chat_template(tiny_model_dir, tmp_path / "model", template)
+    with open(tiny_prompts_file) as f:
+        chats = [{"prompt": [{"role": "user", "content": json.loads(line)["prompt"]}]} for line in f]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    # scores in quarters and no KL: a group's advantages are exactly 0 (no rounding in its leave-one-out means)
+    (tmp_path / "reward.py").write_text(
+        "def quarters(prompts, completions):\n    return [(1 + len(c) % 3) / 4 for c in completions]\n"
+    )
+    out = tmp_path / "out"
+    proc = run(
+        f"rloo.py --model_name_or_path {model} --dataset_name {tmp_path}/chat.jsonl --rloo_k 4 --total_episodes 32"
+        f" --reward_fn {tmp_path}/reward.py:quarters --kl_coef 0"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --response_length 8 --temperature 1.0"
+        f" --top_k 1 --chat_template_kwargs '{{\"plain\": true}}' --eval_dataset_name {tmp_path}/chat.jsonl"
+        f" --num_eval_generations 2 --eval_batch_size 16 --num_sample_generations 0 --output_dir {out} --learning_rate 0.2"
+        " --weight_decay 0.1 --lr_scheduler_type cosine --warmup_steps 1 --adam_beta2 0.99 --adam_epsilon 1e-6",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    rows = read_metrics(out)
+    updates, evals = [r for r in rows if "loss/policy_avg" in r], [r for r in rows if "eval/scores" in r]
+    assert updates and all(r["loss/policy_avg"] == 0 and r["objective/scores"] != 0 for r in updates)
+    # the logprobs are of the untruncated distribution, logits / temperature (the rule's would be 0: one token kept)
+    assert all(r["objective/entropy"] > 0 for r in updates)
+    assert len(evals) == 2 and all(r["eval/mean@2"] == r["eval/scores"] for r in evals)
+
+    theirs = get_scheduler("cosine", torch.optim.SGD([torch.zeros(1)], lr=0.2), num_warmup_steps=1, num_training_steps=4)
+    rates = [0.2 * theirs.lr_lambdas[0](step) for step in range(len(updates))]
+    assert [r["lr"] for r in updates] == pytest.approx(rates, rel=1e-12) and rates[0] == 0 and rates[1] == 0.2
+    shrink = math.prod(1 - lr * 0.1 for lr in rates)
+    before = dict(AutoModelForCausalLM.from_pretrained(model).named_parameters())
+    spared = 0
+    for name, p in AutoModelForCausalLM.from_pretrained(out).named_parameters():
+        if "bias" in name or "layernorm" in name or "norm." in name:
+            torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+            spared += 1
+        else:
+            torch.testing.assert_close(p, before[name] * shrink, rtol=1e-5, atol=1e-7)
+    assert spared > 4 and shrink < 0.97
+
+
 def test_score_rises_on_a_learnable_reward(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     (tmp_path / "reward.py").write_text(VOWELS)
     out = tmp_path / "out"

@@ -1,6 +1,7 @@
 """Each vectorised formula against a naive reference: LOO baseline, KL estimators, masked statistics, truncation,
 logprobs, sampling."""
 
+import functools
 import math
 import os
 import sys
@@ -254,7 +255,7 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     model, tok = tiny_lm
     queries, mask = infra.data.left_pad([tok("the list of")["input_ids"], tok("x")["input_ids"]] * 2, tok.pad_token_id)
     uniforms = torch.rand(len(queries), 8)
-    ours = infra.decode.generate(model, queries, mask, response_length=8, temperature=0.9, uniforms=uniforms)
+    ours = infra.decode.generate(model, queries, mask, response_length=8, rule=0.9, uniforms=uniforms)
     seq, seq_mask = queries, mask
     with torch.no_grad():
         for t in range(8):
@@ -265,7 +266,7 @@ def test_generate_matches_a_loop_without_kv_cache(tiny_lm):
     assert ours.tolist() == seq[:, queries.shape[1] :].tolist()
     # a row's sample does not depend on the rows batched with it (what lets two processes match one)
     alone = infra.decode.generate(
-        model, queries[1:2, -1:], mask[1:2, -1:], response_length=8, temperature=0.9, uniforms=uniforms[1:2]
+        model, queries[1:2, -1:], mask[1:2, -1:], response_length=8, rule=0.9, uniforms=uniforms[1:2]
     )
     assert alone.tolist() == ours[1:2].tolist()
 
@@ -280,11 +281,9 @@ def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
     queries, mask = queries.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # (prompts * 2, query_len)
     texts = [p for p in prompts for _ in range(2)]
     uniforms = torch.rand(len(queries), 10, generator=torch.Generator().manual_seed(0))
-    free = infra.decode.generate(model, queries, mask, response_length=10, temperature=1.0, uniforms=uniforms)
+    free = infra.decode.generate(model, queries, mask, response_length=10, rule=1.0, uniforms=uniforms)
     stop = free[:, 1:].flatten().mode().values.item()  # a frequent token, so the completions stop at different lengths
-    whole = infra.decode.generate(
-        model, queries, mask, response_length=10, temperature=1.0, stop_token_id=stop, uniforms=uniforms
-    )
+    whole = infra.decode.generate(model, queries, mask, response_length=10, rule=1.0, stop_token_id=stop, uniforms=uniforms)
     lens = []  # each completion's length, by a loop over its tokens
     for row in whole.tolist():
         lens.append(row.index(stop) + 1 if stop in row else len(row))
@@ -292,7 +291,7 @@ def test_sampled_and_scored_completions_do_not_depend_on_the_chunking(tiny_lm):
     sources = [{"name": "chars", "fn": lambda prompts, completions, **_: [float(len(c)) for c in completions], "weight": 1.0}]
     for chunk in (1, 2, 3, 8):
         sampled, engine_logprobs = infra.rollout.sample_completions(
-            model, None, queries, mask, k=2, max_length=10, temperature=1.0, stop_token_id=stop,
+            model, None, queries, mask, k=2, max_length=10, rule=1.0, stop_token_id=stop,
             pad_token_id=tok.pad_token_id, uniforms=uniforms, seeds=None, chunk=chunk, group=2 if chunk % 2 == 0 else 1,
         )  # fmt: skip
         assert engine_logprobs is None
@@ -376,8 +375,8 @@ def test_forward_grouped_equals_forward_values_and_gradients(tiny_lm, tiny_model
     # generation with the prompt run once per group samples the same tokens from the same numbers
     uniforms = torch.rand(len(queries), 6)
     with torch.no_grad():
-        alone = infra.decode.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms)
-        grouped = infra.decode.generate(model, queries, qmask, response_length=6, temperature=0.9, uniforms=uniforms, group=k)
+        alone = infra.decode.generate(model, queries, qmask, response_length=6, rule=0.9, uniforms=uniforms)
+        grouped = infra.decode.generate(model, queries, qmask, response_length=6, rule=0.9, uniforms=uniforms, group=k)
     assert grouped.tolist() == alone.tolist()
 
 
@@ -408,6 +407,92 @@ def test_sample_tokens_follows_the_tempered_distribution():
     assert infra.decode.sample_tokens(edges, 1.0, torch.stack([torch.tensor(0.0), largest])).tolist() == [[1], [3]]
 
 
+def naive_rule(row, seen, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
+    """The sampling rule written out for one row from its definitions, in vLLM's order: {token: probability}"""
+    z = [x / repetition_penalty if s and x > 0 else x * repetition_penalty if s else x for x, s in zip(row, seen)]
+    if temperature == 0:
+        return {z.index(max(z)): 1.0}
+    z = [x / temperature for x in z]
+
+    def probs(keep):
+        total = sum(math.exp(z[i]) for i in keep)
+        return {i: math.exp(z[i]) / total for i in keep}
+
+    keep = set(range(len(z)))
+    if min_p > 0:
+        p = probs(keep)
+        keep = {i for i in keep if p[i] >= min_p * max(p.values())}
+    if top_k > 0:
+        kth = sorted((z[i] for i in keep), reverse=True)[min(top_k, len(keep)) - 1]
+        keep = {i for i in keep if z[i] >= kth}  # (ties with the k-th kept)
+    if top_p < 1.0:
+        p, above, kept = probs(keep), 0.0, set()
+        for i in sorted(keep, key=lambda i: -p[i]):  # a token stays while the likelier ones hold less than top_p
+            if above < top_p:
+                kept.add(i)
+            above += p[i]
+        keep = kept
+    return probs(keep)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.7),
+        dict(temperature=0.0, repetition_penalty=1.5),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=0.7, top_p=0.8),
+        dict(temperature=0.7, min_p=0.1),
+        dict(temperature=0.9, repetition_penalty=1.3),
+        dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+        dict(temperature=0.5, top_k=3, top_p=0.5, min_p=0.3, repetition_penalty=0.8),
+    ],
+)
+def test_sampling_rule_keeps_the_tokens_a_naive_loop_keeps(settings):
+    """utils.sampling_logits against the rule written out per row: the same tokens kept, with the same probabilities
+    (ties at the k-th largest logit kept), and a decoder drawing from it"""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    logits[0, :4] = 5.0  # four tied likeliest
+    seen = torch.rand(6, 40) < 0.3
+    got = torch.softmax(utils.sampling_logits(logits, seen, **settings), -1)
+    for row in range(6):
+        expected = naive_rule(logits[row].tolist(), seen[row].tolist(), **settings)
+        assert set(got[row].nonzero()[:, 0].tolist()) == set(expected)
+        torch.testing.assert_close(got[row, sorted(expected)], torch.tensor([expected[i] for i in sorted(expected)]))
+    rule = functools.partial(utils.sampling_logits, **settings)
+    tokens = infra.decode.sample_tokens(logits, rule, torch.rand(6), seen)[:, 0]
+    assert all(got[row, t] > 0 for row, t in enumerate(tokens.tolist()))
+
+
+def test_sampling_rule_is_transformers_where_their_orders_agree():
+    """transformers' own processors (TRL's generation without vLLM): the repetition penalty, temperature, top-k and
+    top-p (or min-p) in generate()'s order give the rule's logits; generate() applies min-p after top-p, the rule (as
+    vLLM) before, so only with both set do they differ (the test sees it)."""
+    from transformers import generation as g
+
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30) * 2
+    ids = torch.randint(0, 30, (4, 6))  # each row's tokens so far
+    seen = torch.zeros(4, 30, dtype=torch.bool).scatter_(1, ids, True)
+
+    def theirs(temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
+        processors = [g.RepetitionPenaltyLogitsProcessor(repetition_penalty), g.TemperatureLogitsWarper(temperature)]
+        processors += [g.TopKLogitsWarper(top_k)] if top_k else []
+        processors += [g.TopPLogitsWarper(top_p)] if top_p < 1 else []
+        processors += [g.MinPLogitsWarper(min_p)] if min_p else []
+        return g.LogitsProcessorList(processors)(ids, logits.clone())
+
+    for settings in [
+        dict(temperature=0.7, top_k=10, top_p=0.8, repetition_penalty=1.3),
+        dict(temperature=0.7, top_k=10, min_p=0.1, repetition_penalty=1.3),
+    ]:
+        torch.testing.assert_close(utils.sampling_logits(logits, seen, **settings), theirs(**settings))
+    both = dict(temperature=1.0, top_p=0.6, min_p=0.3)
+    differ = (utils.sampling_logits(logits, seen, **both) > -math.inf) != (theirs(**both) > -math.inf)
+    assert differ.any()
+
+
 def test_sample_tokens_never_picks_a_zero_probability_token_at_the_ends():
     """u = 1 (or a float64 u that rounds to 1 in float32) must not run past the last token of positive probability
     to the vocabulary's end, nor u = 0 stop at a first token of zero probability."""
@@ -430,7 +515,7 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     prompt = tok("the")["input_ids"]
     uniforms = torch.rand(3, length, generator=torch.Generator().manual_seed(0))
     query, query_mask = infra.data.left_pad([prompt], tok.pad_token_id)
-    first = infra.decode.generate(model, query, query_mask, response_length=length, temperature=1.0, uniforms=uniforms[:1])
+    first = infra.decode.generate(model, query, query_mask, response_length=length, rule=1.0, uniforms=uniforms[:1])
     first = first[0].tolist()
     # rows 1 and 2 go on from row 0's first and second token with its numbers, so they meet its later tokens one and
     # two steps sooner: the stop token below stops the rows at three different steps
@@ -442,7 +527,7 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
         calls.append(kwargs["input_ids"].shape[1])
         return model(**kwargs)
 
-    free = infra.decode.generate(counting, queries, mask, response_length=length, temperature=1.0, uniforms=uniforms)
+    free = infra.decode.generate(counting, queries, mask, response_length=length, rule=1.0, uniforms=uniforms)
     assert len(calls) == length  # the prompts, then one token per step but the last
     free = free.tolist()
 
@@ -457,7 +542,7 @@ def test_generate_stops_once_every_row_has_stopped(tiny_lm):
     assert len(set(stops)) == 3 and last < length - 1
     calls.clear()
     out = infra.decode.generate(
-        counting, queries, mask, response_length=length, temperature=1.0, stop_token_id=stop, uniforms=uniforms
+        counting, queries, mask, response_length=length, rule=1.0, stop_token_id=stop, uniforms=uniforms
     )
     assert out.shape[1] == last + 1 and len(calls) == last + 1
     assert out.tolist() == [row[: last + 1] for row in free]
@@ -668,3 +753,38 @@ def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path
     shifted.add_special_tokens({"additional_special_tokens": ["<sep>"]})
     shifted.pad_token = shifted.eos_token
     assert not infra.models.same_vocabulary(shifted, plain)  # an extra token that is not padding
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_lr_factor_is_transformers_schedule_of_its_name(kind, warmup):
+    """utils.lr_factor at each update against transformers' scheduler of the same name (a step an update), warmup and
+    min_lr_rate included; the default, linear without warmup, is the seed's 1 - step / total to the last bit."""
+    from transformers import get_scheduler
+
+    total = 11
+    extra = {"min_lr_rate": 0.1} if kind == "cosine_with_min_lr" else {}
+    optimizer = torch.optim.SGD([torch.zeros(1)], lr=1.0)
+    theirs = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=extra)
+    ours = [utils.lr_factor(kind, step, total, warmup, **extra) for step in range(total)]
+    assert ours == pytest.approx([theirs.lr_lambdas[0](step) for step in range(total)], rel=1e-12, abs=1e-15)
+    if kind == "linear" and warmup == 0:
+        assert ours == [1.0 - (update - 1.0) / total for update in range(1, total + 1)]
+
+
+def test_decay_groups_spare_what_transformers_spares():
+    """AdamW's weight decay on the weights transformers' Trainer decays (not biases, LayerNorms, RMSNorms), for a
+    GPT-NeoX (LayerNorm, biases) and a Llama (RMSNorm) model, and only their trainable weights"""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer
+
+    small = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50)
+    for model in [GPTNeoXForCausalLM(GPTNeoXConfig(**small)), LlamaForCausalLM(LlamaConfig(**small))]:
+        model.get_input_embeddings().weight.requires_grad_(False)
+        decay, rest = utils.decay_groups(model, 0.1)
+        assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+        names = {id(p): n for n, p in model.named_parameters()}
+        expected = set(Trainer.get_decay_parameter_names(None, model))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert {names[id(p)] for p in decay["params"]} == expected & trainable
+        assert {names[id(p)] for p in rest["params"]} == trainable - expected
+        assert rest["params"] and decay["params"]

@@ -66,7 +66,7 @@ def test_importance_weights_match_a_naive_loop(mode, clip_min, clip_max):
 
 
 ENGINE = """
-import random, sys, types, numpy, torch
+import functools, random, sys, types, numpy, torch
 sys.path.insert(0, {repo!r})
 import infra, utils
 from transformers import AutoModelForCausalLM
@@ -85,7 +85,7 @@ queries, mask = infra.data.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], p
 
 def worst(model, seeds):
     # the engine's logprobs of its samples against the trainer's: logits / temperature of the same model
-    responses, engine_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=0.7,
+    responses, engine_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, rule=0.7,
                                                      stop_token_id={eos}, seeds=seeds, pad_token_id=0)
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
     responses, lengths = infra.data.truncate_response(responses, {eos}, 0)
@@ -125,6 +125,26 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
         infra.engine.vllm_sync(engine, policy)
         after = worst(policy, seeds=[1, 2, 3])[0]
 
+        # top-k, top-p, min-p and a repetition penalty: the engine samples from utils.sampling_logits' distribution (its
+        # logprobs are those of what it samples from), every token one the rule keeps
+        rule = functools.partial(
+            utils.sampling_logits, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2
+        )
+        drawn, drawn_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, rule=rule,
+                                                           stop_token_id=None, seeds=[4, 5, 6], pad_token_id=0)
+        q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+        with torch.no_grad():
+            logits = utils.forward(policy, torch.cat([q, drawn], 1), torch.cat([m, torch.ones_like(drawn)], 1)).logits
+        logits, present = logits[:, q.shape[1] - 1 : -1], infra.decode.seen_tokens(q, m, logits.shape[-1])
+        ruled, kept = [], []
+        for t in range(drawn.shape[1]):
+            step = torch.log_softmax(rule(logits[:, t], present), -1)
+            ruled.append(step.gather(1, drawn[:, t : t + 1])[:, 0])
+            kept.append((step > -float("inf")).float().sum(1).mean().item())
+            present.scatter_(1, drawn[:, t : t + 1], True)
+        truncated = (torch.stack(ruled, 1) - drawn_logprobs).abs().max().item()
+        narrowed = sum(kept) / len(kept)  # the tokens the rule keeps at a step
+
         # LoRA: the engine gets each adapted weight plus its adapters' product, and the model's weights stay as they were
         from peft import LoraConfig, get_peft_model
         frozen = {n: p.clone() for n, p in policy.named_parameters()}
@@ -141,19 +161,20 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
         # a prompt of 40 tokens asking 12 more of an engine of 44 (max_prompt_length + response_length): cut at 4
         try:
             long, mask = infra.data.left_pad([list(range(5, 45))], 0)
-            infra.engine.vllm_generate(engine, long, mask, k=1, max_tokens=12, temperature=1.0,
+            infra.engine.vllm_generate(engine, long, mask, k=1, max_tokens=12, rule=1.0,
                                 stop_token_id=None, seeds=[1], pad_token_id=0)
             capped = "not-stopped"
         except SystemExit as e:
             capped = "stopped" if "cut a completion at 4 of its 12 tokens" in str(e) and len(str(e).splitlines()) == 1 else "x"
         print("RESULT", before, bool(torch.equal(first, again)), stale, after, lora_stale, lora_after, untouched, streams_kept,
-              capped)
+              capped, truncated, narrowed)
         """,
         tiny_llama_dir,
         eos,
         tmp_path,
     )
-    before, same, stale, after, lora_stale, lora_after, untouched, streams_kept, capped = out.split("RESULT")[1].split()
+    result = out.split("RESULT")[1].split()
+    before, same, stale, after, lora_stale, lora_after, untouched, streams_kept, capped, truncated, narrowed = result
     assert float(before) < 1e-4 and float(after) < 1e-4  # fp32: the engine's distribution is the trainer's
     assert same == "True"  # the same seeds, the same samples
     assert float(stale) > 1e-2  # so the test would see a sync that did nothing
@@ -162,6 +183,8 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
     assert streams_kept == "True"  # each process's own random streams, as seeded, survive the engine's start
     # a completion the engine cut at its context's end stops the run in one line, its padding never read as a stop token
     assert capped == "stopped"
+    # --top_k 20 --top_p 0.9 --min_p 0.05 --repetition_penalty 1.2 asked of the engine: the rule's distribution
+    assert float(truncated) < 1e-4 and 1 < float(narrowed) <= 20, (truncated, narrowed)
 
 
 def vllm_command(script, model, prompts, out, extra=""):
@@ -414,9 +437,9 @@ def test_the_engine_stops_at_the_stop_token_only(tmp_path, eos_neox_dir):
     out = run_engine(
         f"""
         infra.engine.vllm_sync(engine, policy)
-        never = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id=None,
+        never = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, rule=1.0, stop_token_id=None,
                                     seeds=[1, 2, 3], pad_token_id=0)[0]
-        at_eos = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, temperature=1.0, stop_token_id={eos},
+        at_eos = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=12, rule=1.0, stop_token_id={eos},
                                      seeds=[1, 2, 3], pad_token_id=0)[0]
         lengths = infra.data.truncate_response(at_eos, {eos}, 0)[1]
         print("RESULT", "x".join(map(str, never.shape)), int((never == {eos}).sum()), sorted(set(lengths.tolist())))

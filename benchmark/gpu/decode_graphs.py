@@ -1,9 +1,11 @@
 """--cuda_graphs on one GPU. 1. Every model family of tests/test_families.py in miniature, sdpa and eager: the
 GraphDecoder, capturing, against generate() (the same uniforms, left-padded prompts, greedy and at temperature 0.7,
-twice on one graph): equal tokens, or refused in one line. 2. Sampling speed on a random SmolLM2-135M-shaped model
-(argv[1]): generate() against the GraphDecoder, 16 rows x 24 tokens in fp32 and 64 x 128 under bf16 autocast (as
-distill.py samples), the best of three calls after a first, and how many tokens the two draw alike."""
+twice on one graph, then with top-k, top-p, min-p and a repetition penalty): equal tokens, or refused in one line.
+2. Sampling speed on a random SmolLM2-135M-shaped model (argv[1]): generate() against the GraphDecoder, 16 rows x 24
+tokens in fp32 and 64 x 128 under bf16 autocast (as distill.py samples), the best of three calls after a first, and
+how many tokens the two draw alike."""
 
+import functools
 import os
 import sys
 import time
@@ -17,7 +19,10 @@ sys.path.insert(0, os.path.join(REPO, "tests"))  # test_families
 from test_families import GRAPH_REFUSED, SUPPORTED, batch, build  # noqa: E402
 
 import infra  # noqa: E402
+import utils  # noqa: E402
 
+# --top_p 0.9 --top_k 20 --min_p 0.05 --repetition_penalty 1.2, captured in the graph with its tokens-present buffer
+truncated = functools.partial(utils.sampling_logits, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
 dev = torch.device("cuda")
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 for name, attn in SUPPORTED:
@@ -27,9 +32,9 @@ for name, attn in SUPPORTED:
     uniforms = torch.rand(len(queries), 12, generator=torch.Generator().manual_seed(1))
     verdict = []
     try:
-        for temperature in (0.0, 0.7, 0.7):
-            expected = infra.decode.generate(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
-            got = decoder(model, queries, qmask, 12, temperature, stop_token_id=5, uniforms=uniforms)
+        for rule in (0.0, 0.7, 0.7, truncated):
+            expected = infra.decode.generate(model, queries, qmask, 12, rule, stop_token_id=5, uniforms=uniforms)
+            got = decoder(model, queries, qmask, 12, rule, stop_token_id=5, uniforms=uniforms)
             verdict.append("equal" if got.tolist() == expected.tolist() else f"DIFFER {(got != expected).float().mean():.2f}")
     except SystemExit as e:
         verdict.append(f"refused ({'expected' if name in GRAPH_REFUSED else 'UNEXPECTED'}): {e}")

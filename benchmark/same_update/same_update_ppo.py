@@ -267,7 +267,7 @@ with torch.no_grad():
         queries=queries,
         query_mask=query_mask,
         response_length=RESPONSE_LENGTH,
-        temperature=TEMPERATURE,
+        rule=TEMPERATURE,
         stop_token_id=stop_token_id,
         uniforms=uniforms,
     )

@@ -46,7 +46,7 @@ def one(name):
     except SystemExit as e:
         return {"family": name, "runs": False, "refusal": str(e)}
     queries, mask = infra.data.left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
-    responses, engine_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=8, temperature=0.7,
+    responses, engine_logprobs = infra.engine.vllm_generate(engine, queries, mask, k=3, max_tokens=8, rule=0.7,
                                                      stop_token_id=None, seeds=[1, 2, 3], pad_token_id=0)  # fmt: skip
     q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
     with torch.no_grad():
