@@ -47,6 +47,21 @@ class RLOOArgs:
     """normalise advantages to zero mean and unit std over the batch (all processes' scored completions)"""
     num_ppo_epochs: int = 1
     """passes over each batch (1 epoch and 1 mini-batch: plain REINFORCE with the leave-one-out baseline)"""
+    epsilon_high: Optional[float] = None
+    """the clip's upper side, 1 + epsilon_high (TRL's; None: --cliprange)"""
+    reward_clip_range: Optional[tuple[float, float]] = None
+    """clamp each completion's score to [low, high] before the KL penalty (TRL's)"""
+    mask_truncated_completions: bool = False
+    """a completion cut off before its stop token gives no gradient and no KL, its score still in its group's baseline
+    (TRL's)"""
+    num_generations: Optional[int] = None
+    """TRL 1.16's name for --rloo_k, which it sets"""
+    beta: Optional[float] = None
+    """TRL 1.16's name for --kl_coef (its RLOO too subtracts beta times the completion's summed k1 KL from the reward)"""
+    epsilon: Optional[float] = None
+    """TRL 1.16's name for --cliprange (its RLOO too clips the completion's probability ratio)"""
+    num_iterations: Optional[int] = None
+    """TRL 1.16's name for --num_ppo_epochs"""
 
 
 # the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
@@ -93,14 +108,33 @@ def rloo_advantages(rlhf_reward, k, scored):
     return ((rewards - baseline) * valid * (others > 0)).flatten()
 
 
+# Copied from rloo.trl_names
+def trl_names(args):
+    """TRL 1.16 RLOOConfig's names, where given, set the seed's, which mean the same (docs/algorithms.md)"""
+    names = {"num_generations": "rloo_k", "beta": "kl_coef", "epsilon": "cliprange", "num_iterations": "num_ppo_epochs"}
+    for trl, ours in names.items():
+        if getattr(args, trl) is not None:
+            setattr(args, ours, getattr(args, trl))
+            setattr(args, trl, None)
+
+
 # Copied from rloo.main
 def main(args):
+    trl_names(args)
     if args.rloo_k < 2:
-        utils.die(f"--rloo_k must be at least 2 (the leave-one-out baseline needs another sample), got {args.rloo_k}")
+        utils.die(
+            f"--rloo_k (--num_generations) must be at least 2 (the leave-one-out baseline needs another), got {args.rloo_k}"
+        )
     if args.ratio_threshold is not None and args.ratio_threshold <= 0:
         utils.die("--ratio_threshold must be positive")
-    if args.kl_coef < 0 or args.cliprange < 0 or args.num_ppo_epochs < 1:
-        utils.die("--kl_coef and --cliprange must be >= 0 and --num_ppo_epochs >= 1")
+    epsilon_high = args.cliprange if args.epsilon_high is None else args.epsilon_high
+    if args.kl_coef < 0 or args.cliprange < 0 or epsilon_high < 0 or args.num_ppo_epochs < 1:
+        utils.die(
+            "--kl_coef (--beta), --cliprange (--epsilon) and --epsilon_high must be >= 0, --num_ppo_epochs "
+            "(--num_iterations) >= 1"
+        )
+    if args.reward_clip_range is not None and args.reward_clip_range[0] > args.reward_clip_range[1]:
+        utils.die(f"--reward_clip_range must be low high with low <= high, got {args.reward_clip_range}")
     if (args.vllm_importance_sampling_mode or "sequence").startswith("token"):
         utils.die("RLOO's ratio is the completion's: --vllm_importance_sampling_mode sequence_truncate or sequence_mask")
     k = args.rloo_k  # completions per prompt
@@ -144,6 +178,10 @@ def main(args):
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
+        if args.reward_clip_range is not None:  # (TRL's)
+            scores = scores.clamp(*args.reward_clip_range)
+        # --mask_truncated_completions: a completion without its stop token counts no token in the KL and the loss
+        masked = unsampled | ~batch.contain_eos[:, None] if args.mask_truncated_completions else unsampled
 
         # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap: at the
         # first update the policy and the reference then give identical logprobs
@@ -159,7 +197,7 @@ def main(args):
             is_weight = torch.ones_like(scores)
             if batch.engine_logprobs is not None:
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, unsampled, **args.importance_sampling("sequence_truncate")
+                    logprobs, batch.engine_logprobs, masked, **args.importance_sampling("sequence_truncate")
                 )
 
             # 3. KL penalty: the per-token estimate (or the exact KL) against the reference, zero on padding, summed
@@ -167,7 +205,8 @@ def main(args):
             if args.kl_estimator == "full":
                 kl = utils.rollout_full_kl(unwrapped, ref_policy, batch, args.temperature)
             else:
-                kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(unsampled, 0.0)
+                kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
+            kl = kl.masked_fill(masked, 0.0)
             non_score_reward = -args.kl_coef * kl.sum(1)
             rlhf_reward = scores + non_score_reward
 
@@ -175,7 +214,7 @@ def main(args):
             advantages = rloo_advantages(rlhf_reward, k, scored)
             if args.normalize_advantage:  # over the global batch's scored completions; the others keep 0
                 advantages = utils.masked_whiten(advantages, scored, reduce=run.reduce_sum).masked_fill(~scored, 0)
-            seq_logprobs = logprobs.masked_fill(unsampled, 0.0).sum(1)
+            seq_logprobs = logprobs.masked_fill(masked, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
         policy.train(args.gradient_checkpointing)
@@ -197,12 +236,12 @@ def main(args):
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
-                        new_logprobs = new_logprobs.masked_fill(unsampled[micro], 0.0)
+                        new_logprobs = new_logprobs.masked_fill(masked[micro], 0.0)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro]
                         ratio = torch.exp(logprobs_diff)
                         pg_losses = -advantages[micro] * ratio
-                        pg_losses2 = -advantages[micro] * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + args.cliprange)
+                        pg_losses2 = -advantages[micro] * torch.clamp(ratio, 1.0 - args.cliprange, 1.0 + epsilon_high)
                         pg_loss = (torch.max(pg_losses, pg_losses2) * is_weight[micro]).mean()
                         # TRL's ratio threshold: a micro-batch whose policy ran away from the rollout's gives no gradient
                         # (its backward still runs, so that every process takes part in each step)

@@ -124,7 +124,7 @@ def test_each_tldr_script_copies_its_base_and_at_most_five_functions():
     scripts (and distill.py) copy nothing."""
     named = {script: [name for _, name, *_ in copies(REPO, script)] for script in SCRIPTS}
     assert named["rloo.py"] == named["grpo.py"] == named["ppo.py"] == named["distill.py"] == []
-    assert named["rloo_tldr.py"] == ["RLOOArgs", "rloo_advantages", "main"]
+    assert named["rloo_tldr.py"] == ["RLOOArgs", "rloo_advantages", "trl_names", "main"]
     assert named["ppo_tldr.py"][0] == "PPOArgs" and "main" in named["ppo_tldr.py"] and len(named["ppo_tldr.py"]) - 1 <= 5
 
 

@@ -281,3 +281,45 @@ def test_embedded_default_runs_offline(run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "llama"
+
+
+def test_trls_names_and_options(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """TRL 1.16 RLOOConfig's names (--num_generations, --beta, --epsilon, --num_iterations) run the update the seed's
+    names run, every metric but the speed the same number; --epsilon_high opens the clip's upper side alone (fewer
+    ratios clipped in the second epoch); --mask_truncated_completions, with a stop token never sampled (the least likely
+    token, out of --top_k 20), leaves every completion without gradient or KL (the saved model is the initial one), and
+    --reward_clip_range clamps the score the advantages see."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    (tmp_path / "reward.py").write_text(VOWELS)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with open(tiny_prompts_file) as f:
+        prompts = tokenizer([json.loads(line)["prompt"] for line in f][:16], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        never = initial(**prompts).logits.mean((0, 1)).argmin().item()
+    base = (
+        f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --total_episodes 32"
+        f" --reward_fn {tmp_path}/reward.py:vowels --per_device_train_batch_size 8 --gradient_accumulation_steps 1"
+        " --response_length 8 --temperature 1.0 --learning_rate 1e-2 --num_sample_generations 0"
+    )
+    runs = {
+        "ours": " --rloo_k 4 --kl_coef 0.1 --cliprange 0 --num_ppo_epochs 2 --no_save_model",
+        "trls": " --num_generations 4 --beta 0.1 --epsilon 0 --num_iterations 2 --no_save_model",
+        "high": " --num_generations 4 --beta 0.1 --epsilon 0 --epsilon_high 100 --num_iterations 2 --no_save_model",
+        "masked": f" --rloo_k 4 --kl_coef 0 --top_k 20 --stop_token_id {never} --mask_truncated_completions"
+        " --reward_clip_range 0.2 0.3",
+    }
+    rows = {}
+    for name, flags in runs.items():
+        check_ok(run(base + flags + f" --output_dir {tmp_path / name}", cwd=tmp_path))
+        rows[name] = read_metrics(tmp_path / name)
+    speedless = {name: [{k: v for k, v in r.items() if k != "eps"} for r in rows[name]] for name in rows}
+    assert speedless["ours"] == speedless["trls"] and len(rows["ours"]) == 4
+    assert rows["high"][0]["policy/clipfrac_avg"] < rows["trls"][0]["policy/clipfrac_avg"]
+    assert all(r["val/num_eos_tokens"] == 0 for r in rows["masked"])  # (every completion cut off)
+    assert all(0.2 <= r["objective/rlhf_reward"] <= 0.3 and r["objective/kl"] == 0 for r in rows["masked"])
+    assert all(r["objective/rlhf_reward"] != r["objective/scores"] for r in rows["masked"])  # (the clamp acted)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "masked").state_dict()
+    assert all(torch.equal(saved[name], p) for name, p in initial.state_dict().items())

@@ -27,13 +27,14 @@ Corresponding settings (rloo.py flag = RLOOConfig field), with the TRL 1.16 line
     --kl_estimator k1         = (TRL has only k1: 1669 per_token_kl = old_per_token_logps - ref_per_token_logps,
                                  summed over the completion, 1671); k2, k3, abs and full have no TRL counterpart
     rloo_advantages           = 1688-1690: each reward minus the mean of its scorable siblings' (unscorable: 0, 1699)
-    --cliprange 0.2           = epsilon=0.2, epsilon_high=None (1829); TRL's asymmetric epsilon_high has no flag here
+    --cliprange 0.2           = epsilon=0.2, epsilon_high=None (1829); rloo.py's --epsilon_high is TRL's (not run here)
     sequence-level ratio      = TRL's only one (1822-1824: logps summed over the completion, then the log ratio)
     mean over the micro-batch = 1833 per_sequence_loss.mean(), divided by gradient_accumulation_steps by the Trainer
     --normalize_advantage     = normalize_advantages=True (1696), but not exactly, see below; off by default, both
     --score_clip C            = reward_clip_range=(-C, C) (1661; not exercised: sentiment scores lie in [-1, 1])
-    no --ratio_threshold, --missing_eos_penalty, --use_score_scaling (ours) and no mask_truncated_completions (TRL's):
-    these differ in definition and are off on both sides.
+    no --ratio_threshold, --missing_eos_penalty, --use_score_scaling (ours), off here; rloo.py's
+    --mask_truncated_completions and --reward_clip_range are TRL's (not run here). rloo.py takes TRL's names too
+    (--num_generations, --beta, --epsilon, --num_iterations), which set the flags above.
 Differences that no flag removes:
   - --normalize_advantage divides by std + 1e-8, TRL by nanstd + 1e-4 (1696: `(advantages - nanmean) /
     (nanstd(advantages) + 1e-4)`; both stds Bessel-corrected): the normalised advantages differ by a factor
