@@ -48,6 +48,10 @@ class DistillArgs:
     teacher_model_name_or_path: Optional[str] = None
     """the frozen teacher (a hub id, a folder, a .gguf file or a package shipping one); its vocabulary must be the
     student's (--model_name_or_path)"""
+    teacher_model_revision: Optional[str] = None
+    """the teacher's revision on the hub: a branch, tag or commit (TRL's)"""
+    teacher_model_init_kwargs: Optional[str] = None
+    """from_pretrained's keyword arguments for the teacher, as a JSON object (TRL's), e.g. '{"dtype": "bfloat16"}'"""
     teacher_prompt_field: Optional[str] = None
     """a dataset column holding the teacher's own prompt (a system message, a hint, the answer), rendered as the
     prompts are; None: the student's prompt"""
@@ -114,10 +118,13 @@ def main(args):
         utils.die(f"--beta and --lmbda must lie in [0, 1], got {args.beta} and {args.lmbda}")
     if args.loss == "sampled" and args.lmbda < 1.0:
         utils.die("--loss sampled is a policy gradient on the student's own samples: it needs --lmbda 1 (or use --loss jsd)")
+    teacher_kwargs = infra.json_object(args, "teacher_model_init_kwargs")
+    if args.teacher_model_revision is not None:
+        teacher_kwargs["revision"] = args.teacher_model_revision
     run = infra.start(args, default_reward=None)  # processes, seeding, batch sizes, output_dir; no reward by default
     # the tokenizer, prompts and any reward sources; the student (LoRA, gradient checkpointing) and the frozen teacher
     # in the reference's place (sharded under ZeRO-3), its vocabulary checked against the student's first
-    student, teacher = infra.load_policy(run, reference=args.teacher_model_name_or_path)
+    student, teacher = infra.load_policy(run, reference=args.teacher_model_name_or_path, reference_kwargs=teacher_kwargs)
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(student, args.weight_decay)

@@ -17,6 +17,11 @@ filter, none of a completion that never produced the stop token) are aggregated 
     dapo     sum over tokens / the number of tokens in the optimiser step's global batch: all its micro-batches on all
              processes, so neither gradient accumulation nor the process count changes a token's weight (DAPO; the
              default, as in TRL 1.16's GRPOConfig)
+    luspo    each completion's token sum, then the mean over completions (LUSPO)
+TRL 1.16's other per-token losses (policy_loss): cispo (MiniMax-M1: the capped ratio, detached, weighs the
+log-probability's gradient; aggregated as dapo), sapo (SAPO: a sigmoid gate instead of the clip; as grpo), vespo
+(VESPO: a gamma weight of the completion's ratio; as dapo); --delta caps the ratio from above too (INTELLECT-2) and
+--off_policy_mask_threshold drops a negative-advantage completion that has drifted (DeepSeek-V3.2).
 The gradients of the micro-batches are averaged over gradient accumulation and processes, so dapo's step is the sum
 over every token of the step divided by their number. With --importance_sampling_level sequence (GSPO) a completion
 has one ratio, exp of the mean of its tokens' log-ratios, clipped as a whole, and the loss is grpo's mean over
@@ -35,6 +40,7 @@ With a reward model and a hub dataset, on GPUs:
         --reward_model_path path/to/reward_model --dataset_name trl-lib/tldr --num_generations 8
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -54,11 +60,13 @@ class GRPOArgs:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
-    loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo"]] = None
-    """how per-token losses are aggregated: grpo, each completion's token mean, then the mean over completions; bnpo,
-    the micro-batch's token mean; dr_grpo, the token sum / (completions x response_length); dapo, the token sum / the
-    tokens of the optimiser step's global batch (docs/algorithms.md). None: dapo, as TRL 1.16, or with
-    --importance_sampling_level sequence grpo, GSPO's mean over completions of each one's loss"""
+    loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]] = None
+    """the per-token loss and its aggregation, TRL 1.16's (docs/algorithms.md): the clipped loss aggregated as grpo (each
+    completion's token mean, then the mean over completions), bnpo (the micro-batch's token mean), dr_grpo (the token
+    sum / (completions x response_length)), dapo (the token sum / the tokens of the optimiser step's global batch) or
+    luspo (each completion's token sum, then the mean); cispo, the clipped ratio weighing the log-probability (as
+    dapo); sapo, a soft gate for the clip (as grpo); vespo, a gamma weight of the completion's ratio (as dapo). None:
+    dapo, as TRL 1.16, or with --importance_sampling_level sequence grpo, GSPO's mean over completions"""
     entropy_coef: float = 0.0
     """subtract entropy_coef times each counted token's entropy from its loss: a bonus that keeps the policy from
     collapsing onto one answer (verl's entropy_coeff, OpenRLHF's entropy_loss_coef); 0: off"""
@@ -73,12 +81,34 @@ class GRPOArgs:
     epsilon: float = 0.2
     """the lower clip range of the per-token probability ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
-    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28)"""
+    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28); cispo: the ratio's cap
+    itself (ScaleRL's epsilon_max, which recommends 5; TRL's)"""
+    delta: Optional[float] = None
+    """two-sided clipping (INTELLECT-2): the ratio also capped at delta, which bounds a negative advantage's loss (TRL's;
+    best above 1 + epsilon_high; None: off)"""
+    sapo_temperature_pos: float = 1.0
+    """sapo's gate temperature for the tokens of a positive advantage"""
+    sapo_temperature_neg: float = 1.05
+    """sapo's gate temperature for the others"""
+    vespo_k_pos: float = 2.0
+    """vespo's gamma weight's power for a non-negative advantage"""
+    vespo_lambda_pos: float = 3.0
+    """vespo's gamma weight's decay for a non-negative advantage"""
+    vespo_k_neg: float = 3.0
+    """vespo's gamma weight's power for a negative advantage"""
+    vespo_lambda_neg: float = 2.0
+    """vespo's gamma weight's decay for a negative advantage"""
+    off_policy_mask_threshold: Optional[float] = None
+    """DeepSeek-V3.2's off-policy sequence mask: a completion of negative advantage whose mean per-token KL from the
+    policy that sampled it (the engine's with --use_vllm) exceeds this gives no policy loss (TRL's; None: off)"""
     ratio_threshold: Optional[float] = None
     """a micro-batch whose mean probability ratio exceeds this contributes no gradient (TRL)"""
     beta: float = 0.0
     """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's default) loads no reference model
     (DeepSeekMath used 0.04)"""
+    use_bias_correction_kl: bool = True
+    """multiply each token's KL by its probability ratio to the rollout policy, so that its gradient is unbiased off
+    the rollout policy (TRL 1.16's default)"""
     mask_truncated_completions: bool = False
     """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
     num_iterations: int = 1
@@ -150,24 +180,72 @@ def high_entropy_mask(entropy, mask, quantile, pool):
     return mask & (entropy >= torch.quantile(pool.float(), 1.0 - quantile))
 
 
+def policy_loss(loss_type, ratio, log_ratio, logprobs, advantages, mask, epsilon, epsilon_high, delta=None, sapo=None,
+                vespo=None, is_weight=None):  # fmt: skip
+    """Each token's policy loss (rows, width) by --loss_type, as TRL 1.16 computes it. ratio: each token's probability
+    ratio to the rollout policy (GSPO: its completion's), log_ratio the token's log of it, logprobs the policy's (with
+    their gradient), advantages (rows, 1), mask the tokens that count:
+        grpo, bnpo, dr_grpo, dapo, luspo  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), r first capped at delta
+               (two-sided GRPO)
+        cispo  -min(r, epsilon_high) A log p, the weight detached (MiniMax-M1: the clip scales the gradient, never
+               removes it)
+        sapo   -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo[0] for A > 0 else sapo[1] (SAPO: a soft gate for the clip)
+        vespo  -phi(w) A log p, w the completion's ratio (its tokens' log-ratios, each in [-20, 20], summed; with an
+               engine, times its importance weights is_weight), phi(w) = exp(lambda + k log w - lambda w), detached,
+               (k, lambda) = vespo[:2] for A >= 0, else vespo[2:] (VESPO: a gamma weight instead of the clip)"""
+    if loss_type == "cispo":
+        return -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logprobs
+    if loss_type == "sapo":
+        tau = torch.where(advantages > 0, sapo[0], sapo[1])
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    if loss_type == "vespo":
+        with torch.no_grad():
+            low = math.log(1e-8)
+            log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(1, keepdim=True)
+            if is_weight is not None:
+                log_w = log_w + torch.log(is_weight).clamp(low, 20.0).sum(1, keepdim=True)
+            log_w = log_w.clamp(low, 20.0)
+            k = torch.where(advantages >= 0, vespo[0], vespo[2])
+            lam = torch.where(advantages >= 0, vespo[1], vespo[3]).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        return -phi * advantages * logprobs
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
+    return torch.max(-advantages * ratio, -advantages * clipped)
+
+
 def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens):
     """One micro-batch's loss from its per-token losses (batch, seq) and mask (batch, seq), True where a token counts.
 
-    grpo: mean over each row's tokens, then over rows; bnpo: mean over the micro-batch's tokens; dr_grpo: sum over
-    tokens / (rows x response_length); dapo: sum over tokens / dapo_tokens, the tokens of the optimiser step's global
-    batch divided by (processes x gradient accumulation steps), as accelerate averages the micro-batches' gradients
-    over both. A row or micro-batch without a token counts zero."""
+    grpo (and sapo): mean over each row's tokens, then over rows; bnpo: mean over the micro-batch's tokens; dr_grpo:
+    sum over tokens / (rows x response_length); dapo (and cispo, vespo): sum over tokens / dapo_tokens, the tokens of
+    the optimiser step's global batch divided by (processes x gradient accumulation steps), as accelerate averages the
+    micro-batches' gradients over both; luspo: sum over each row's tokens, then mean over rows. A row or micro-batch
+    without a token counts zero."""
     m = mask.to(per_token_loss.dtype)
     total = (per_token_loss * m).sum()
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((per_token_loss * m).sum(1) / m.sum(1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
         return total / m.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return total / (per_token_loss.shape[0] * response_length)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         return total / dapo_tokens
+    if loss_type == "luspo":
+        return (per_token_loss * m).sum(1).mean()
     raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def off_policy_keep(advantages, logprobs, behaviour_logprobs, mask, threshold):
+    """DeepSeek-V3.2's off-policy sequence mask: (rows, 1), 1 where a completion's loss is kept: a non-negative
+    advantage, or a mean per-token KL estimate log(behaviour / policy) over its counted tokens (NaN as 0) at most
+    threshold"""
+    kl = torch.nan_to_num(behaviour_logprobs - logprobs.detach(), nan=0.0)
+    m = mask.to(kl.dtype)
+    mean_kl = (kl * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(kl.dtype)
 
 
 def main(args):
@@ -183,8 +261,19 @@ def main(args):
     # GSPO (Zheng et al. 2025) averages the sequence loss over completions; a token sum would weigh each by its length
     gspo = args.importance_sampling_level == "sequence"
     args.loss_type = loss_type = args.loss_type or ("grpo" if gspo else "dapo")
-    if gspo and loss_type != "grpo":
-        utils.die("GSPO's objective (--importance_sampling_level sequence) is the mean over completions: --loss_type grpo")
+    if gspo and loss_type not in ("grpo", "luspo", "sapo"):
+        utils.die(
+            "GSPO's objective (--importance_sampling_level sequence) is a mean over completions: --loss_type grpo (or "
+            "luspo, sapo); vespo weighs the completion's ratio itself"
+        )
+    if args.delta is not None and args.delta <= 0:
+        utils.die(f"--delta must be positive (INTELLECT-2: above 1 + --epsilon_high), got {args.delta}")
+    if min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
+        utils.die("--sapo_temperature_pos and --sapo_temperature_neg must be positive")
+    if min(args.vespo_k_pos, args.vespo_k_neg, args.vespo_lambda_pos, args.vespo_lambda_neg) < 0:
+        utils.die("--vespo_k_pos, --vespo_k_neg, --vespo_lambda_pos and --vespo_lambda_neg must be >= 0")
+    if args.off_policy_mask_threshold is not None and args.off_policy_mask_threshold < 0:
+        utils.die(f"--off_policy_mask_threshold must be >= 0, got {args.off_policy_mask_threshold}")
     k = args.num_generations  # completions per prompt
     run = infra.start(args, k=args.num_generations)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen initial
@@ -293,9 +382,7 @@ def main(args):
                         else:
                             ratio = torch.exp(logprobs_diff)
                         mb_advantage = advantages[micro][:, None]
-                        pg_losses = -mb_advantage * ratio
-                        pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - args.epsilon, 1.0 + epsilon_high)
-                        per_token_loss = torch.max(pg_losses, pg_losses2)
+                        is_weight = None
                         if batch.engine_logprobs is not None:  # the engine sampled: each token's (or completion's)
                             # probability under the rollout policy over the engine's, truncated or masked, weighs its loss
                             is_weight, _ = utils.importance_weights(
@@ -304,7 +391,29 @@ def main(args):
                                 mb_unsampled,
                                 **args.importance_sampling("token_truncate"),
                             )
-                            per_token_loss = per_token_loss * is_weight.reshape(len(is_weight), -1)  # sequence_*: (rows, 1)
+                            is_weight = is_weight.reshape(len(is_weight), -1)  # sequence_*: (rows, 1)
+                        # the policy loss of --loss_type (policy_loss: TRL 1.16's table)
+                        per_token_loss = policy_loss(
+                            loss_type,
+                            ratio=ratio,
+                            log_ratio=logprobs_diff,
+                            logprobs=new_logprobs,
+                            advantages=mb_advantage,
+                            mask=mb_loss_mask,
+                            epsilon=args.epsilon,
+                            epsilon_high=epsilon_high,
+                            delta=args.delta,
+                            sapo=(args.sapo_temperature_pos, args.sapo_temperature_neg),
+                            vespo=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+                            is_weight=is_weight,
+                        )
+                        if args.off_policy_mask_threshold is not None:  # against the policy that sampled: the engine's
+                            behaviour = logprobs[micro] if batch.engine_logprobs is None else batch.engine_logprobs[micro]
+                            per_token_loss = per_token_loss * off_policy_keep(
+                                mb_advantage, new_logprobs, behaviour, mb_loss_mask, args.off_policy_mask_threshold
+                            )
+                        if is_weight is not None and loss_type != "vespo":  # (vespo's gamma weight holds it)
+                            per_token_loss = per_token_loss * is_weight
                         trained = mb_loss_mask  # the tokens whose policy loss counts
                         if args.top_entropy_quantile < 1.0:  # only the highest-entropy tokens (Wang et al. 2025)
                             pool = accelerator.pad_across_processes(entropy[mb_loss_mask].detach(), pad_index=-1.0)
@@ -315,6 +424,8 @@ def main(args):
                             per_token_loss = per_token_loss - args.entropy_coef * entropy
                         if args.beta:  # k3, whose gradient in expectation is that of KL(ref || policy)
                             kl = utils.kl_estimate(new_logprobs, ref_logprobs[micro], "k3")
+                            if args.use_bias_correction_kl:  # weighed by the ratio: unbiased off the rollout policy
+                                kl = kl * ratio
                             per_token_loss = per_token_loss + args.beta * kl
                         pg_loss = aggregate_loss(
                             per_token_loss,

@@ -42,6 +42,8 @@ class RLOOArgs:
     """a micro-batch whose mean sequence probability ratio exceeds this contributes no gradient (TRL)"""
     normalize_advantage: bool = False
     """normalise advantages to zero mean and unit std over the batch (all processes' scored completions)"""
+    normalize_advantages: bool = False
+    """TRL 1.16's form of it: (A - mean) / (std + 1e-4), over the same completions"""
     num_ppo_epochs: int = 1
     """passes over each batch (1 epoch and 1 mini-batch: plain REINFORCE with the leave-one-out baseline)"""
     epsilon_high: Optional[float] = None
@@ -185,8 +187,10 @@ def main(args):
 
             # 4. RLOO: advantages from the leave-one-out baseline
             advantages = rloo_advantages(rlhf_reward, k, scored)
-            if args.normalize_advantage:  # over the global batch's scored completions; the others keep 0
-                advantages = utils.masked_whiten(advantages, scored, reduce=run.reduce_sum).masked_fill(~scored, 0)
+            if args.normalize_advantage or args.normalize_advantages:  # over the global batch's scored completions
+                std_eps = 1e-4 if args.normalize_advantages else None  # (TRL's: the std plus 1e-4)
+                advantages = utils.masked_whiten(advantages, scored, reduce=run.reduce_sum, std_eps=std_eps)
+                advantages = advantages.masked_fill(~scored, 0)  # (the others keep 0)
             seq_logprobs = logprobs.masked_fill(masked, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches

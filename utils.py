@@ -503,14 +503,16 @@ def masked_mean(values, mask, dim=None):
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(values, mask, shift_mean=True, reduce=None):
-    """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False). reduce, e.g.
+def masked_whiten(values, mask, shift_mean=True, reduce=None, std_eps=None):
+    """Normalise to unit variance over the masked entries (and zero mean unless shift_mean=False): divided by
+    sqrt(var + 1e-8), or with std_eps by std + std_eps (TRL's RLOO: 1e-4), var the unbiased variance. reduce, e.g.
     partial(accelerator.reduce, reduction="sum"), sums the statistics over processes, so N processes whiten as one."""
     m, reduce = mask.to(values.dtype), reduce or (lambda x: x)
     sums = reduce(torch.stack([(values * m).sum(), m.sum()]))
     mean, n = sums[0] / sums[1], sums[1]
     squares = reduce(((values - mean) ** 2 * m).sum())
-    whitened = (values - mean) * torch.rsqrt(squares / (n - 1).clamp(min=1) + 1e-8)  # unbiased variance
+    var = squares / (n - 1).clamp(min=1)  # unbiased
+    whitened = (values - mean) * (torch.rsqrt(var + 1e-8) if std_eps is None else 1 / (var.sqrt() + std_eps))
     return whitened if shift_mean else whitened + mean
 
 

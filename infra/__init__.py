@@ -24,7 +24,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 """
 
 from .data import teacher_view
-from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs
+from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RolloutArgs, json_object
 from .models import load_policy, load_policy_and_critic, prepare
 from .offline import (
     ExampleArgs,
@@ -44,4 +44,5 @@ __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RolloutArgs", "RunArgs", "TldrArgs", "ExampleArgs",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
+    "json_object",
 ]  # fmt: skip

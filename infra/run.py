@@ -58,7 +58,8 @@ class Run:
             args.model_name_or_path,
             args.trust_remote_code,
             chat_template=getattr(args, "chat_template", None),
-            template_kwargs=json_object(args, "chat_template_kwargs") if hasattr(args, "chat_template_kwargs") else None,
+            template_kwargs=json_object(args, "chat_template_kwargs"),
+            revision=json_object(args, "model_init_kwargs").get("revision"),
         )
         self.stop_token_id = args.stop_token_id
         if self.stop_token_id is None and args.stop_token == "eos":

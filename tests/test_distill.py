@@ -183,6 +183,24 @@ def test_the_teachers_prompt_reaches_only_the_teacher(run, tmp_path, tiny_model_
         torch.testing.assert_close(after[k], start[k], rtol=0, atol=1e-5)
 
 
+def test_the_models_init_kwargs_reach_each_model(run, tmp_path, tiny_model_dir, distill_data):
+    """The student as its own teacher (KL 0 as above) but the teacher loaded in bfloat16 by
+    --teacher_model_init_kwargs: their distributions differ by its rounding; both loaded so (--model_init_kwargs too):
+    the same again, and the student saved in bfloat16."""
+    rows = {}
+    for name, extra in [
+        ("teacher", """--teacher_model_init_kwargs '{"dtype": "bfloat16"}' --teacher_model_revision main"""),
+        ("both", """--teacher_model_init_kwargs '{"dtype": "bfloat16"}' --model_init_kwargs '{"dtype": "bfloat16"}'"""),
+    ]:
+        out = tmp_path / name
+        check_ok(run(command(tiny_model_dir, tiny_model_dir, distill_data, out, extra).replace("96", "16"), cwd=tmp_path))
+        (rows[name],) = read_metrics(out)
+    assert rows["teacher"]["objective/reverse_kl"] > 1e-7 and rows["both"]["objective/reverse_kl"] == 0.0
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(tmp_path / "both" / "model.safetensors").values()} == {torch.bfloat16}
+
+
 def test_dataset_completions_at_lmbda_below_one(run, tmp_path, tiny_model_dir, teacher_dir, distill_data):
     """--lmbda 0.5: the updates random.Random(seed * 100003 + update) picks sample; the others train on the dataset's
     completions (with the stop token), scored and logged as sampled ones would be."""

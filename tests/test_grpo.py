@@ -12,7 +12,14 @@ from conftest import REPO
 from test_rloo import VOWELS, check_ok, read_metrics, reward_keys
 
 sys.path.insert(0, REPO)
-from grpo import aggregate_loss, group_advantages, high_entropy_mask, sequence_log_ratio  # noqa: E402
+from grpo import (  # noqa: E402
+    aggregate_loss,
+    group_advantages,
+    high_entropy_mask,
+    off_policy_keep,
+    policy_loss,
+    sequence_log_ratio,
+)
 
 KEYS = (
     "episode eps lr reward reward_std frac_reward_zero_std entropy clip_ratio/low_mean clip_ratio/high_mean"
@@ -66,7 +73,7 @@ def test_batch_scaling_sums_its_statistics_over_processes():
         torch.testing.assert_close(part, whole[8 * p : 8 * p + 8])
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_loss_aggregation_matches_a_naive_loop(loss_type):
     """One optimiser step over 2 processes x 3 micro-batches of 4 rows: the micro-batches' losses, averaged as
     accelerate averages their gradients (over accumulation and processes), give each aggregation's definition over the
@@ -91,8 +98,11 @@ def test_loss_aggregation_matches_a_naive_loop(loss_type):
     tokens = [
         [[losses[p, g, r, t].item() for t in range(lengths[p, g, r])] for r in range(rows)] for p in range(2) for g in range(3)
     ]
-    if loss_type == "grpo":  # per completion: mean over its tokens; then mean over completions
+    if loss_type in ("grpo", "sapo"):  # per completion: mean over its tokens; then mean over completions
         per_row = [sum(row) / len(row) if row else 0.0 for micro in tokens for row in micro]
+        expected = sum(per_row) / len(per_row)
+    elif loss_type == "luspo":  # per completion: the sum of its tokens; then mean over completions
+        per_row = [sum(row) for micro in tokens for row in micro]
         expected = sum(per_row) / len(per_row)
     elif loss_type == "bnpo":  # per micro-batch: mean over its tokens; then (accelerate) mean over micro-batches
         per_micro = [sum(sum(row) for row in micro) / sum(len(row) for row in micro) for micro in tokens]
@@ -101,9 +111,77 @@ def test_loss_aggregation_matches_a_naive_loop(loss_type):
         expected = sum(x for micro in tokens for row in micro for x in row) / (
             processes * accumulation * rows * response_length
         )
-    else:  # dapo: every token / every token of the step, wherever it sits
+    else:  # dapo, cispo, vespo: every token / every token of the step, wherever it sits
         expected = sum(x for micro in tokens for row in micro for x in row) / total_tokens
     assert step == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "loss_type, delta", [("dapo", None), ("dapo", 1.25), ("cispo", None), ("sapo", None), ("luspo", None), ("vespo", None)]
+)
+def test_policy_loss_matches_a_naive_loop(loss_type, delta):
+    """Each loss type's per-token value and gradient by the policy's logprob, written out token by token from TRL
+    1.16's definitions: the clipped loss (and its cap delta), cispo's detached capped ratio, sapo's sigmoid gate by the
+    advantage's sign, vespo's gamma weight of the completion's ratio (an engine's importance weights in it)."""
+    torch.manual_seed(3)
+    rows, width, epsilon, high = 6, 5, 0.2, 1.5 if loss_type == "cispo" else 0.28
+    old = -torch.rand(rows, width) * 3
+    new = (old + torch.randn(rows, width) * 0.3).requires_grad_()
+    mask = torch.arange(width) < torch.tensor([5, 3, 1, 5, 4, 2])[:, None]
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.0, 0.7])[:, None]
+    is_weight = torch.rand(rows, width) + 0.5 if loss_type == "vespo" else None
+    sapo, vespo = (1.0, 1.05), (2.0, 3.0, 3.0, 2.0)
+    loss = policy_loss(
+        loss_type, ratio=(new - old).exp(), log_ratio=new - old, logprobs=new, advantages=advantages, mask=mask,
+        epsilon=epsilon, epsilon_high=high, delta=delta, sapo=sapo, vespo=vespo, is_weight=is_weight,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad((loss * mask).sum(), new)
+    for i in range(rows):
+        a = advantages[i, 0].item()
+        if loss_type == "vespo":  # the completion's log-ratio, its tokens' in [-20, 20], with the engine's weights
+            log_w = sum(min(max(new[i, t].item() - old[i, t].item(), -20), 20) for t in range(width) if mask[i, t])
+            log_w += sum(min(max(math.log(is_weight[i, t].item()), math.log(1e-8)), 20) for t in range(width))
+            k, lam = vespo[:2] if a >= 0 else vespo[2:]
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        for t in range(width):
+            if not mask[i, t]:
+                continue
+            logp = new[i, t].item()
+            r = math.exp(logp - old[i, t].item())
+            if loss_type == "cispo":
+                value, slope = -min(r, high) * a * logp, -min(r, high) * a
+            elif loss_type == "sapo":
+                tau = sapo[0] if a > 0 else sapo[1]
+                gate = 1 / (1 + math.exp(-tau * (r - 1)))
+                value, slope = -gate * 4 / tau * a, -a * 4 * gate * (1 - gate) * r
+            elif loss_type == "vespo":
+                value, slope = -phi * a * logp, -phi * a
+            else:  # the larger of -A r (r capped at delta) and -A clip(r); the gradient of the one that is larger
+                capped = min(r, delta) if delta is not None else r
+                clipped = min(max(r, 1 - epsilon), 1 + high)
+                first, second = -a * capped, -a * clipped
+                slope_first = -a * r if capped == r else 0.0
+                slope_second = -a * r if 1 - epsilon < r < 1 + high else 0.0
+                value = max(first, second)
+                slope = slope_first if first > second else slope_second if second > first else slope_first
+            assert loss[i, t].item() == pytest.approx(value, rel=1e-5, abs=1e-6), (i, t)
+            assert grad[i, t].item() == pytest.approx(slope, rel=1e-4, abs=1e-6), (i, t)
+
+
+def test_off_policy_mask_matches_a_naive_loop():
+    """DeepSeek-V3.2's mask: a completion is kept with a non-negative advantage or a mean KL estimate (behaviour's
+    logprob minus the policy's, over its counted tokens) at most the threshold"""
+    torch.manual_seed(4)
+    logprobs, behaviour = -torch.rand(8, 6) * 2, -torch.rand(8, 6) * 2
+    behaviour[2, 1] = math.nan  # (an engine that could not score a token: no evidence either way)
+    mask = torch.arange(6) < torch.tensor([6, 4, 3, 1, 0, 6, 5, 2])[:, None]
+    advantages = torch.tensor([1.0, -1.0, -0.5, -2.0, -1.0, 0.0, -0.3, -1.2])[:, None]
+    keep = off_policy_keep(advantages, logprobs, behaviour, mask, threshold=0.1)
+    for i in range(8):
+        kls = [0.0 if math.isnan(b) else b - p for b, p, m in zip(behaviour[i].tolist(), logprobs[i].tolist(), mask[i]) if m]
+        mean = sum(kls) / max(len(kls), 1)
+        assert keep[i, 0].item() == float(advantages[i, 0] >= 0 or mean <= 0.1), i
+    assert 0 < keep.sum() < 8
 
 
 def common(model, prompts, tmp_path, reward=VOWELS):
@@ -415,3 +493,43 @@ def test_entropy_bonus_raises_the_entropy(run, tmp_path, eos_model_dir, tiny_pro
         entropy[coef] = [row["entropy"] for row in read_metrics(out)]
     assert entropy[0.5][0] == pytest.approx(entropy[0.0][0])  # the same first rollout, read before any step
     assert entropy[0.5][1] > entropy[0.0][1] + 0.05, entropy  # after a step with the bonus, the policy is less certain
+
+
+def test_trls_loss_types_and_corrections_run_as_a_user_runs_them(run, tmp_path, eos_model_dir, tiny_prompts_file):
+    """Each loss type TRL 1.16 added, and its corrections, through grpo.py's flags on one rollout with two iterations
+    (the second one off policy): finite metrics, the same rollout for all, and a loss that differs from dapo's (each
+    number is checked against TRL's update in benchmark/same_update and against a loop in this file)."""
+    rows = {}
+    for name, flags in [
+        ("dapo", ""),
+        ("cispo", "--loss_type cispo --epsilon_high 5"),
+        ("sapo", "--loss_type sapo"),
+        ("luspo", "--loss_type luspo --importance_sampling_level sequence"),
+        ("vespo", "--loss_type vespo --beta 0.04"),
+        ("corrected", "--delta 1.3 --off_policy_mask_threshold 0.001 --beta 0.04 --no_use_bias_correction_kl"),
+    ]:
+        out = tmp_path / name
+        proc = run(
+            f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 16"
+            " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_iterations 2 --response_length 8"
+            f" --learning_rate 3e-2 --temperature 1.0 {flags} --no_save_model --output_dir {out}",
+            cwd=tmp_path,
+        )
+        check_ok(proc)
+        (rows[name],) = read_metrics(out)
+        assert all(math.isfinite(v) for v in rows[name].values()), name
+        assert rows[name]["objective/scores"] == rows["dapo"]["objective/scores"]  # the same rollout
+        if name != "dapo":
+            assert rows[name]["loss/policy_avg"] != rows["dapo"]["loss/policy_avg"], name
+
+
+def test_trls_length_and_turn_names_set_ours():
+    """--max_completion_length is TRL's --response_length (with --environment, its --max_episode_tokens: TRL's counts
+    every turn), --max_tool_calling_iterations N is --max_turns N + 1"""
+    import grpo
+
+    args = grpo.Args(max_completion_length=7, max_tool_calling_iterations=2)
+    assert (args.response_length, args.max_turns, args.max_episode_tokens) == (7, 3, 21)
+    env = os.path.join(REPO, "examples", "environments", "guess_number.py") + ":GuessNumber"
+    args = grpo.Args(max_completion_length=50, environment=(env,))
+    assert (args.response_length, args.max_turns, args.max_episode_tokens) == (24, 4, 50)

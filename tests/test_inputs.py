@@ -27,7 +27,9 @@ ALLOWED = {
     "lam": [0.0], "entropy_coef": [-1.0, 0.0], "top_entropy_quantile": [0.0], "epsilon": [0.0], "epsilon_high": [0.0],
     "beta": [0.0], "lmbda": [0.0], "label_smoothing": [0.0], "center_rewards_coefficient": [0.0],
     "reward_weights": [], "top_k": [0], "min_p": [0.0], "warmup_ratio": [0.0], "warmup_steps": [0], "min_lr_rate": [0.0],
-    "weight_decay": [0.0], "adam_beta1": [0.0], "adam_beta2": [0.0],
+    "weight_decay": [0.0], "adam_beta1": [0.0], "adam_beta2": [0.0], "off_policy_mask_threshold": [0.0],
+    "vespo_k_pos": [0.0], "vespo_k_neg": [0.0], "vespo_lambda_pos": [0.0], "vespo_lambda_neg": [0.0],
+    "max_tool_calling_iterations": [0],
 }  # fmt: skip
 ALLOWED_IN = {("dpo.py", "beta"): []}  # (DPO's beta divides: it must be positive)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe

@@ -4,6 +4,7 @@ logprobs, sampling."""
 import functools
 import math
 import os
+import statistics
 import sys
 
 import pytest
@@ -127,6 +128,9 @@ def test_masked_statistics_match_selected_entries():
     assert white[mask].var().item() == pytest.approx(1.0, rel=1e-4)
     kept = utils.masked_whiten(values, mask, shift_mean=False)
     assert kept[mask].mean().item() == pytest.approx(picked.mean().item(), rel=1e-4)
+    trls = utils.masked_whiten(values, mask, std_eps=1e-4)  # TRL's RLOO: (x - mean) / (unbiased std + 1e-4)
+    mean, std = statistics.mean(picked.tolist()), statistics.stdev(picked.tolist())
+    assert trls[mask].tolist() == pytest.approx([(x - mean) / (std + 1e-4) for x in picked.tolist()], rel=1e-5)
 
 
 def test_truncate_response_keeps_the_stop_token_and_pads_after_it():

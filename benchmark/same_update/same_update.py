@@ -7,9 +7,17 @@ are; a relative gradient difference near 1e-5 is float32 rounding.
 
 The settings are those of `curves.py grpo --task sentiment`: 4 prompts x 4 completions, micro-batches of 8 (two
 whole prompts each), two gradient-accumulation steps, 24 response tokens, temperature 0.7, dapo loss, group scaling,
-beta 0, clip 0.2, fp32. Our side imports grpo.py's own `group_advantages` and `aggregate_loss` and repeats the few
-lines of its update between them; TRL's side runs its real training_step with `_prepare_inputs` handing it the same
-micro-batches in its own format, so compute_loss, its loss scaling and accelerator.backward all run."""
+beta 0, clip 0.2, fp32. Our side imports grpo.py's own `group_advantages`, `policy_loss`, `off_policy_keep` and
+`aggregate_loss` and repeats the few lines of its update between them; TRL's side runs its real training_step with
+`_prepare_inputs` handing it the same micro-batches in its own format, so compute_loss, its loss scaling and
+accelerator.backward all run.
+
+The other loss types and corrections, each with its TRL 1.16 field set the same on both sides: --loss_type cispo, sapo,
+luspo (with --importance_sampling_level sequence, as TRL advises), vespo; --delta; --off_policy_mask_threshold;
+--beta with the bias-corrected KL (TRL's default); --top_k/--top_p (the completions are drawn by the truncated rule;
+both sides' losses read the untruncated logprobs). On policy every ratio is 1, where most of them coincide, so
+--old_noise S hands both sides old logprobs (and --beta a reference's) that are the policy's plus Gaussian noise of
+std S, as an earlier iteration's would be: the ratios then spread around 1 and every branch is taken."""
 
 import argparse
 import os
@@ -24,7 +32,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from benchmark import harness  # noqa: E402
-from grpo import aggregate_loss, group_advantages  # noqa: E402  (grpo.py's own functions; its main is guarded)
+from grpo import aggregate_loss, group_advantages, off_policy_keep, policy_loss, sequence_log_ratio  # noqa: E402
 from infra.data import left_pad, load_prompts, truncate_response  # noqa: E402
 from infra.decode import generate  # noqa: E402
 from infra.models import load_pretrained, load_tokenizer  # noqa: E402
@@ -32,16 +40,28 @@ from infra.rewards import sentiment_reward  # noqa: E402
 from utils import (  # noqa: E402
     INVALID_LOGPROB,
     forward_grouped,
+    kl_estimate,
     logprobs_from_logits,
+    sampling_logits,
 )
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the prompts and the sampling noise, as grpo.py's")
 parser.add_argument("--model", default=harness.SMOLLM2)
 parser.add_argument("--out", default="/tmp/same_update", help="TRL's output_dir (nothing is saved there)")
+parser.add_argument("--loss_type", default="dapo", choices=["grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+parser.add_argument("--epsilon_high", type=float, default=None, help="None: the clip's 0.2 (cispo: its cap)")
+parser.add_argument("--delta", type=float, default=None)
+parser.add_argument("--off_policy_mask_threshold", type=float, default=None)
+parser.add_argument("--beta", type=float, default=0.0, help="with the bias-corrected KL, TRL's default")
+parser.add_argument("--top_k", type=int, default=0)
+parser.add_argument("--top_p", type=float, default=1.0)
+parser.add_argument("--old_noise", type=float, default=0.0, help="the old (and reference) logprobs' distance")
 cli = parser.parse_args()
 MODEL, PROMPTS, SEED = cli.model, os.path.join(REPO, "data", "prompts.jsonl"), cli.seed
 K, N_PROMPTS, RESPONSE_LENGTH, TEMPERATURE, MICRO, GA, EPS = 4, 4, 24, 0.7, 8, 2, 0.2
+EPS_HIGH = EPS if cli.epsilon_high is None else cli.epsilon_high
+LEVEL = "sequence" if cli.loss_type == "luspo" else "token"
 log = print
 
 
@@ -74,7 +94,7 @@ with torch.no_grad():
         queries=queries,
         query_mask=query_mask,
         response_length=RESPONSE_LENGTH,
-        rule=TEMPERATURE,
+        rule=lambda logits, seen: sampling_logits(logits, seen, temperature=TEMPERATURE, top_k=cli.top_k, top_p=cli.top_p),
         stop_token_id=stop_token_id,
         uniforms=uniforms,
         group=K,  # rollout_group: 64 % 4 == 0
@@ -93,6 +113,17 @@ log("completion lengths", lengths.tolist(), "width", width)
 log("scores", [round(s, 3) for s in scores.tolist()])
 log("advantages", [round(a, 3) for a in advantages.tolist()])
 
+# off policy (--old_noise): old and reference logprobs, the policy's plus noise, the same on both sides
+old_logprobs = ref_logprobs = None
+if cli.old_noise or cli.beta:
+    with torch.no_grad():
+        logits = forward_grouped(policy, query_responses, attention_mask, context_length, group=1, logits_to_keep=width + 1)
+        current = logprobs_from_logits(logits[:, :-1], responses, TEMPERATURE).masked_fill(padding_mask, 0.0)
+    noise = torch.Generator().manual_seed(SEED + 7)
+    old_logprobs = current + cli.old_noise * torch.randn(current.shape, generator=noise)
+    ref_logprobs = current + cli.old_noise * torch.randn(current.shape, generator=noise)
+    old_logprobs, ref_logprobs = (x.masked_fill(padding_mask, 0.0) for x in (old_logprobs, ref_logprobs))
+
 # ------------------------------------------------------------------------------------------------------------------
 # 3. OUR gradient: grpo.py's update lines (on policy: one iteration, one mini-batch)
 policy.train(False)  # policy.train(args.gradient_checkpointing) with gradient_checkpointing False
@@ -102,6 +133,7 @@ b_inds = b_inds.flatten()
 step_tokens = loss_mask[b_inds].sum(1).reshape(1, -1).sum(1).float()
 dapo_tokens = step_tokens.clamp(min=1.0) / (1 * GA)  # world_size 1
 logprobs = torch.full(responses.shape, INVALID_LOGPROB)
+current_logprobs = torch.full(responses.shape, INVALID_LOGPROB)  # the policy's own, for the report
 micro_batches = [b_inds[s : s + MICRO] for s in range(0, len(b_inds), MICRO)]
 our_losses = []
 policy.zero_grad(set_to_none=True)
@@ -117,15 +149,30 @@ for ga, micro_inds in enumerate(micro_batches):
     )[:, :-1]
     new_logprobs, entropy = logprobs_from_logits(logits, responses[micro_inds], TEMPERATURE, with_entropy=True)
     new_logprobs = new_logprobs.masked_fill(mb_padding, INVALID_LOGPROB)
-    logprobs[micro_inds] = new_logprobs.detach()  # on_policy
+    current_logprobs[micro_inds] = new_logprobs.detach()
+    if old_logprobs is None:
+        logprobs[micro_inds] = new_logprobs.detach()  # on_policy
+    else:
+        logprobs[micro_inds] = old_logprobs[micro_inds].masked_fill(mb_padding, INVALID_LOGPROB)
     logprobs_diff = new_logprobs - logprobs[micro_inds]
-    ratio = torch.exp(logprobs_diff)
+    if LEVEL == "sequence":
+        ratio = torch.exp(sequence_log_ratio(logprobs_diff, mb_mask))
+    else:
+        ratio = torch.exp(logprobs_diff)
     mb_advantage = advantages[micro_inds][:, None]
-    pg_losses = -mb_advantage * ratio
-    pg_losses2 = -mb_advantage * torch.clamp(ratio, 1.0 - EPS, 1.0 + EPS)
-    per_token_loss = torch.max(pg_losses, pg_losses2)
+    per_token_loss = policy_loss(
+        cli.loss_type, ratio=ratio, log_ratio=logprobs_diff, logprobs=new_logprobs, advantages=mb_advantage,
+        mask=mb_mask, epsilon=EPS, epsilon_high=EPS_HIGH, delta=cli.delta, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0),
+    )  # fmt: skip
+    if cli.off_policy_mask_threshold is not None:
+        keep = off_policy_keep(mb_advantage, new_logprobs, logprobs[micro_inds], mb_mask, cli.off_policy_mask_threshold)
+        per_token_loss = per_token_loss * keep
+        log(f"ours micro-batch {ga}: the off-policy mask keeps {int(keep.sum())} of {len(keep)} completions")
+    if cli.beta:
+        kl = kl_estimate(new_logprobs, ref_logprobs[micro_inds].masked_fill(mb_padding, INVALID_LOGPROB), "k3") * ratio
+        per_token_loss = per_token_loss + cli.beta * kl
     pg_loss = aggregate_loss(
-        per_token_loss, mb_mask, loss_type="dapo", response_length=RESPONSE_LENGTH, dapo_tokens=dapo_tokens[0]
+        per_token_loss, mb_mask, loss_type=cli.loss_type, response_length=RESPONSE_LENGTH, dapo_tokens=dapo_tokens[0]
     )
     scaled = pg_loss / GA  # accelerator.backward divides by gradient_accumulation_steps (Accelerator(GA=2), not DeepSpeed)
     scaled.backward()
@@ -156,7 +203,14 @@ config = GRPOConfig(  # benchmark/curves/trl_real.py's fields with curves.py's v
     num_iterations=1,
     max_completion_length=RESPONSE_LENGTH,
     temperature=TEMPERATURE,
-    beta=0.0,
+    beta=cli.beta,
+    loss_type=cli.loss_type,
+    importance_sampling_level=LEVEL,
+    epsilon_high=cli.epsilon_high,
+    delta=cli.delta,
+    off_policy_mask_threshold=cli.off_policy_mask_threshold,
+    top_k=cli.top_k,
+    top_p=cli.top_p,
     learning_rate=5e-5,
     adam_epsilon=1e-5,
     lr_scheduler_type="linear",
@@ -204,7 +258,9 @@ inputs_list = [
         "completion_mask": completion_mask[mi],
         "advantages": advantages[mi],
         "num_items_in_batch": num_items_in_batch,
-        # no old_per_token_logps: gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0
+        # on policy, no old_per_token_logps: gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0
+        **({"old_per_token_logps": old_logprobs[mi]} if old_logprobs is not None else {}),
+        **({"ref_per_token_logps": ref_logprobs[mi]} if cli.beta else {}),
     }
     for mi in micro_batches
 ]
@@ -237,7 +293,7 @@ with torch.no_grad():
 # ------------------------------------------------------------------------------------------------------------------
 # 5. comparison
 real = loss_mask
-lp_diff = (logprobs - trl_lp)[real].abs()  # logprobs: ours, filled on policy
+lp_diff = (current_logprobs - trl_lp)[real].abs()
 print()
 print(f"tokens in the loss: {int(real.sum())} over {len(responses)} completions; prompt lengths {prompt_lengths}")
 print(f"per-token logprobs |ours - TRL|, real tokens: max {lp_diff.max().item():.3e}, mean {lp_diff.mean().item():.3e}")

@@ -31,6 +31,7 @@ Corresponding settings (rloo.py flag = RLOOConfig field), with the TRL 1.16 line
     sequence-level ratio      = TRL's only one (1822-1824: logps summed over the completion, then the log ratio)
     mean over the micro-batch = 1833 per_sequence_loss.mean(), divided by gradient_accumulation_steps by the Trainer
     --normalize_advantage     = normalize_advantages=True (1696), but not exactly, see below; off by default, both
+    --normalize_advantages    = normalize_advantages=True exactly: rloo.py's flag of TRL's name and form
     --score_clip C            = reward_clip_range=(-C, C) (1661; not exercised: sentiment scores lie in [-1, 1])
     no --ratio_threshold, --missing_eos_penalty, --use_score_scaling (ours), off here; rloo.py's
     --mask_truncated_completions and --reward_clip_range are TRL's (not run here). rloo.py takes TRL's names too
@@ -73,6 +74,7 @@ from utils import (  # noqa: E402
     forward_grouped,
     kl_estimate,
     logprobs_from_logits,
+    masked_whiten,
 )
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,6 +83,7 @@ parser.add_argument("--model", default=harness.SMOLLM2)
 parser.add_argument("--kl_coef", type=float, default=0.05, help="rloo.py's --kl_coef, TRL's beta")
 parser.add_argument("--noise", type=float, default=0.02, help="the policy's distance from the reference (0: none)")
 parser.add_argument("--normalize_advantage", action="store_true", help="ours and TRL's normalize_advantages")
+parser.add_argument("--normalize_advantages", action="store_true", help="rloo.py's TRL form and TRL's")
 parser.add_argument("--out", default="/tmp/same_update_rloo", help="TRL's output_dir (nothing is saved there)")
 cli = parser.parse_args()
 MODEL, PROMPTS, SEED = cli.model, os.path.join(REPO, "data", "prompts.jsonl"), cli.seed
@@ -172,6 +175,8 @@ with torch.no_grad():
     if cli.normalize_advantage:
         mean, std = advantages[scored].mean(), advantages[scored].std()
         advantages = ((advantages - mean) / (std + 1e-8)).nan_to_num(0.0).masked_fill(~scored, 0.0)
+    if cli.normalize_advantages:  # rloo.py --normalize_advantages (TRL 1.16's form)
+        advantages = masked_whiten(advantages, scored, std_eps=1e-4).masked_fill(~scored, 0.0)
     seq_logprobs = logprobs.masked_fill(padding_mask, 0.0).sum(1)
 log("completion lengths", lengths.tolist(), "width", width)
 log("scores", [round(s, 3) for s in scores.tolist()])
@@ -231,7 +236,7 @@ config = RLOOConfig(  # benchmark/curves/trl_real.py's fields with curves.py's v
     temperature=TEMPERATURE,
     beta=cli.kl_coef,
     epsilon=CLIP,
-    normalize_advantages=cli.normalize_advantage,
+    normalize_advantages=cli.normalize_advantage or cli.normalize_advantages,
     learning_rate=5e-5,
     adam_epsilon=1e-5,
     lr_scheduler_type="linear",
