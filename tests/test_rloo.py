@@ -187,7 +187,7 @@ BAD_REWARDS = {
         ("reward_short", "returned 1 scores for"),
         ("reward_nan", "NaN or inf"),
         ("reward_text", "list of numbers"),
-        ("rloo_k_1", "--rloo_k must be at least 2"),
+        ("rloo_k_1", "--rloo_k (--num_generations) must be at least 2"),
         ("batch_not_divisible", "must be a multiple of the 3 completions per prompt"),
         ("too_few_episodes", "must be a positive multiple of the batch of 4 completions"),
         ("episodes_not_a_multiple", "x num_mini_batches): try 8 or 12"),
