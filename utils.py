@@ -40,16 +40,12 @@ def die(msg, code=2):
 
 
 def sampling_logits(logits, seen, *, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
-    """The sampling rule, which a script hands its sampler (infra.Sampler): a decoding step's logits (rows, vocab) ->
-    the float32 logits whose softmax the step's token is drawn from, a token ruled out at -inf. In vLLM's order, so
-    that every sampler draws from the same distribution: the repetition penalty on the tokens `seen` ((rows, vocab)
-    bool: the prompt's and the completion's so far; Keskar et al. 2019: a positive logit divided by it, a negative
-    one multiplied), then the temperature (0: greedy, the first largest logit alone), min-p (Nguyen et al. 2024: a
-    token less likely than min_p times the likeliest is out), top-k (the k largest logits, ties kept) and top-p
-    (Holtzman et al. 2020: the likeliest tokens until their probability reaches top_p, at least one). transformers'
-    generate() applies min-p after top-k and top-p, which differs only where min-p and top-p are both set. The
-    defaults (temperature alone) leave softmax(logits / temperature). The loss, the KL and the importance weights
-    read the temperature-scaled, untruncated distribution (utils.logprobs_from_logits), as TRL's do."""
+    """The sampling rule a script hands its sampler (infra.Sampler): a step's logits (rows, vocab) -> the float32 logits
+    whose softmax its token is drawn from (-inf: ruled out), in vLLM's order: the repetition penalty on the tokens
+    `seen` ((rows, vocab) bool, prompt and completion so far; Keskar et al. 2019: a positive logit divided, a negative
+    one multiplied), the temperature (0: the first largest logit alone), min-p (Nguyen et al. 2024), top-k (ties kept),
+    top-p (Holtzman et al. 2020; at least one token). transformers' generate() applies min-p after top-k and top-p. The
+    loss, the KL and the importance weights read logits / temperature untruncated (logprobs_from_logits), as TRL's."""
     logits = logits.float()
     if repetition_penalty != 1.0:
         penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
@@ -561,14 +557,12 @@ def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
 
 
 def lr_factor(kind, step, total, warmup=0, min_lr_rate=0.0):
-    """The learning rate's share at update `step` (from 0) of `total`, by transformers' schedule of that name: a linear
-    rise from 0 over the `warmup` updates, then linear to 0, a half cosine to 0 (cosine_with_min_lr: to min_lr_rate),
-    or constant; "constant" has no warmup. The default, linear with no warmup, is the seed's 1 - step / total."""
-    if kind == "constant":
-        return 1.0
-    if step < warmup:
+    """The learning rate's share at update `step` (from 0) of `total` by transformers' schedule of that name: a linear
+    rise from 0 over `warmup` updates ("constant": none), then linear to 0, a half cosine to 0 (cosine_with_min_lr: to
+    min_lr_rate) or constant. Linear without warmup is the seed's 1 - step / total."""
+    if step < warmup and kind != "constant":
         return step / max(1, warmup)
-    if kind == "constant_with_warmup":
+    if kind in ("constant", "constant_with_warmup"):
         return 1.0
     progress = (step - warmup) / max(1, total - warmup)
     if kind == "linear":
@@ -586,7 +580,7 @@ def decay_groups(model, weight_decay):
     for name, p in model.named_parameters():
         if p.requires_grad:
             owner = name.rpartition(".")[0]
-            (rest if owner in norms or spared.search(name) else decay).append(p)
+            (rest if owner in norms or spared.search(name.lower()) else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 

@@ -42,8 +42,13 @@ def bind_rule(rule, **settings):
     return functools.partial(rule, **settings)
 
 
-def seen_tokens(queries, query_mask, vocab):
-    """(rows, vocab) bool: the tokens of each row's prompt (padding aside), which the repetition penalty reads"""
+def seen_tokens(queries, query_mask, vocab, rule):
+    """(rows, vocab) bool: the tokens of each row's prompt (padding aside), which a repetition penalty reads; None
+    where the rule is known not to read them (utils.sampling_logits without a penalty), so that no decoding step
+    keeps them"""
+    if isinstance(rule, functools.partial) and rule.func is sampling_logits:
+        if rule.keywords.get("repetition_penalty", 1.0) == 1.0:
+            return None
     counts = torch.zeros(len(queries), vocab, dtype=torch.int32, device=queries.device)
     return counts.scatter_add_(1, queries, query_mask.int()) > 0
 
@@ -74,7 +79,7 @@ def generate(
     if group > 1:  # (prompts, ...) -> (prompts * group, ...)
         out.past_key_values.batch_repeat_interleave(group)
         out.logits = out.logits.repeat_interleave(group, 0)
-    seen = seen_tokens(queries, query_mask, out.logits.shape[-1])
+    seen = seen_tokens(queries, query_mask, out.logits.shape[-1], rule)
     mask = query_mask
     places = positions(mask)[:, -1:]
     done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
@@ -82,7 +87,8 @@ def generate(
     for t in range(response_length):
         token = sample_tokens(out.logits[:, -1], rule, uniforms[:, t], seen)  # (batch, 1)
         tokens.append(token)
-        seen.scatter_(1, token, True)
+        if seen is not None:
+            seen.scatter_(1, token, True)
         if stop_token_id is not None:
             done |= token[:, 0] == stop_token_id
         if t == response_length - 1:

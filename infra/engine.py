@@ -218,7 +218,7 @@ def vllm_sampling(rule):
         name = getattr(getattr(rule, "func", rule), "__name__", rule)
         die(f"--use_vllm samples by utils.sampling_logits's settings, which vLLM applies; the rule {name} runs on "
             "the scripts' own sampler: leave out --use_vllm")  # fmt: skip
-    return {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, **rule.keywords}
+    return dict(rule.keywords)  # (a setting left out: SamplingParams' default, the rule's too)
 
 
 def vllm_generate(engine, queries, query_mask, k, max_tokens, rule, stop_token_id, seeds, pad_token_id):
@@ -234,10 +234,11 @@ def vllm_generate(engine, queries, query_mask, k, max_tokens, rule, stop_token_i
     prompts = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
     stop = [stop_token_id] if stop_token_id is not None else None
     most = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(n) for n in max_tokens]
+    sampling = vllm_sampling(rule)
     params = [
         # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
         SamplingParams(
-            n=k, max_tokens=n, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True, **vllm_sampling(rule)
+            n=k, max_tokens=n, logprobs=0, seed=int(s), stop_token_ids=stop, ignore_eos=True, **sampling
         )  # fmt: skip
         for s, n in zip(seeds, most)
     ]

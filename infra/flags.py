@@ -313,10 +313,9 @@ class EnvArgs(Checked):
         if self.max_tool_calling_iterations is not None:
             at_least(self, 0, "max_tool_calling_iterations")
             self.max_turns = self.max_tool_calling_iterations + 1
-        if getattr(self, "max_completion_length", None) and not self.environment:  # (RolloutArgs': before the default)
-            self.response_length = self.max_completion_length
         at_least(self, 1, "max_turns", "max_episode_tokens")
         check_paths(self, "environment")
-        if self.max_episode_tokens is None:
-            self.max_episode_tokens = self.max_turns * self.response_length
+        if self.max_episode_tokens is None:  # (a response length TRL's name gives: RolloutArgs' check sets it later)
+            length = None if self.environment else getattr(self, "max_completion_length", None)
+            self.max_episode_tokens = self.max_turns * (length or self.response_length)
         super().__post_init__()

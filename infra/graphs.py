@@ -124,12 +124,14 @@ class GraphDecoder:
             if g.checked:
                 raise
             raise Refused(f"this {kind} model cannot decode over a static cache ({error_line(e)})") from e
-        present = seen_tokens(queries, query_mask, out.logits.shape[-1])
+        present = seen_tokens(queries, query_mask, out.logits.shape[-1], rule)  # (None: the rule reads none)
         if g.present is None:
             g.present = present
-        g.present.copy_(present)  # (into the tensor the graph reads)
+        elif present is not None:
+            g.present.copy_(present)  # (into the tensor the graph reads)
         token = sample_tokens(out.logits[:, -1], rule, uniforms[:, 0], g.present)
-        g.present.scatter_(1, token, True)
+        if g.present is not None:
+            g.present.scatter_(1, token, True)
         tokens = [token]
         g.position.copy_((query_mask.sum(1, keepdim=True) - 1).clamp(min=0))  # (generate()'s, an empty prompt too)
         g.at.fill_(width - 1)
@@ -147,7 +149,8 @@ class GraphDecoder:
                 use_cache=True,
             ).logits[:, -1]
             chosen = sample_tokens(logits, rule, g.uniform, g.present)  # (rows, 1)
-            g.present.scatter_(1, chosen, True)
+            if g.present is not None:
+                g.present.scatter_(1, chosen, True)
             return chosen, torch.log_softmax(logits.float(), -1).gather(-1, chosen)[:, 0]  # (for the check)
 
         for t in range(1, response_length):
@@ -183,7 +186,7 @@ class GraphDecoder:
         """Capture step() in g.graph, after two runs on a side stream (which CUDA graphs need); those write the cache's
         next position, which the step after them writes again, and the tokens present, which are put back."""
         lengths = [layer.cumulative_length.clone() for layer in g.cache.layers]
-        present = g.present.clone()
+        present = g.present.clone() if g.present is not None else None
         # (autocast's cache of cast weights off: the graph must cast the weights at each replay, not keep one cast)
         uncached = functools.partial(torch.autocast, "cuda", enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         stream = torch.cuda.current_stream()
@@ -195,7 +198,8 @@ class GraphDecoder:
                     step()
                     for layer, n in zip(g.cache.layers, lengths):
                         layer.cumulative_length.copy_(n)
-                    g.present.copy_(present)
+                    if present is not None:
+                        g.present.copy_(present)
             torch.cuda.current_stream().wait_stream(side)
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             g.graph = torch.cuda.CUDAGraph()
@@ -243,7 +247,8 @@ class OneTypeLayer(StaticLayer):
 class StaticBuffers:
     """A GraphDecoder graph's inputs, held where the graph reads them: each row's current token, position and uniform
     number, the cache position being written, which of the cache's keys each row may read, and the tokens present in
-    each row (prompt and completion so far: the repetition penalty's), (rows, vocab), made at the first prefill."""
+    each row (prompt and completion so far: the repetition penalty's), (rows, vocab), made at the first prefill where
+    the rule reads them."""
 
     def __init__(self, rows, size, device, weights, cache, eager):
         self.weights, self.cache, self.eager = weights, cache, eager  # (eager attention: masks added to the scores)

@@ -135,7 +135,7 @@ def test_engine_logprobs_equal_the_trainers_before_and_after_an_update(tmp_path,
         q, m = queries.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
         with torch.no_grad():
             logits = utils.forward(policy, torch.cat([q, drawn], 1), torch.cat([m, torch.ones_like(drawn)], 1)).logits
-        logits, present = logits[:, q.shape[1] - 1 : -1], infra.decode.seen_tokens(q, m, logits.shape[-1])
+        logits, present = logits[:, q.shape[1] - 1 : -1], infra.decode.seen_tokens(q, m, logits.shape[-1], rule)
         ruled, kept = [], []
         for t in range(drawn.shape[1]):
             step = torch.log_softmax(rule(logits[:, t], present), -1)
