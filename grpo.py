@@ -7,25 +7,10 @@ too hard). The advantage is given to every token of the completion, and the poli
 token's probability ratio to the rollout policy, clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's clip-higher when
 epsilon_high > epsilon), for num_iterations passes over each rollout. The KL to the frozen initial policy (the k3
 estimator, per token) is added to the loss with weight beta; `--beta 0` (the default, as TRL's) loads no reference.
-
-The per-token losses l (mask m: the completion's real tokens; with --mask_truncated_completions, DAPO's overlong
-filter, none of a completion that never produced the stop token) are aggregated by --loss_type:
-    grpo     mean over each completion's tokens, then over the micro-batch's completions (DeepSeekMath)
-    bnpo     sum over the micro-batch's tokens / their number
-    dr_grpo  sum over the micro-batch's tokens / (its completions x response_length; an episode's max_episode_tokens)
-             (Dr. GRPO)
-    dapo     sum over tokens / the number of tokens in the optimiser step's global batch: all its micro-batches on all
-             processes, so neither gradient accumulation nor the process count changes a token's weight (DAPO; the
-             default, as in TRL 1.16's GRPOConfig)
-    luspo    each completion's token sum, then the mean over completions (LUSPO)
-TRL 1.16's other per-token losses (policy_loss): cispo (MiniMax-M1: the capped ratio, detached, weighs the
-log-probability's gradient; aggregated as dapo), sapo (SAPO: a sigmoid gate instead of the clip; as grpo), vespo
-(VESPO: a gamma weight of the completion's ratio; as dapo); --delta caps the ratio from above too (INTELLECT-2) and
---off_policy_mask_threshold drops a negative-advantage completion that has drifted (DeepSeek-V3.2).
-The gradients of the micro-batches are averaged over gradient accumulation and processes, so dapo's step is the sum
-over every token of the step divided by their number. With --importance_sampling_level sequence (GSPO) a completion
-has one ratio, exp of the mean of its tokens' log-ratios, clipped as a whole, and the loss is grpo's mean over
-completions: the paper's objective (a token sum would weigh each completion by its length).
+The per-token loss and its aggregation are TRL 1.16's --loss_type (policy_loss, aggregate_loss): grpo (DeepSeekMath),
+bnpo, dr_grpo (Dr. GRPO), dapo (DAPO, the default), luspo, cispo (MiniMax-M1), sapo, vespo; with
+--importance_sampling_level sequence (GSPO) a completion has one ratio, clipped as a whole. docs/algorithms.md has
+each, its corrections (--delta, --off_policy_mask_threshold, the bias-corrected KL) and its paper.
 
 Papers: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models"
 (https://arxiv.org/abs/2402.03300), GRPO; Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
@@ -61,15 +46,26 @@ class GRPOArgs:
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
     loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]] = None
-    """the per-token loss and its aggregation, TRL 1.16's (docs/algorithms.md): the clipped loss aggregated as grpo (each
-    completion's token mean, then the mean over completions), bnpo (the micro-batch's token mean), dr_grpo (the token
-    sum / (completions x response_length)), dapo (the token sum / the tokens of the optimiser step's global batch) or
-    luspo (each completion's token sum, then the mean); cispo, the clipped ratio weighing the log-probability (as
-    dapo); sapo, a soft gate for the clip (as grpo); vespo, a gamma weight of the completion's ratio (as dapo). None:
-    dapo, as TRL 1.16, or with --importance_sampling_level sequence grpo, GSPO's mean over completions"""
+    """the per-token loss and its aggregation, TRL 1.16's (policy_loss, aggregate_loss, docs/algorithms.md). None: dapo,
+    as TRL 1.16, or with --importance_sampling_level sequence grpo, GSPO's mean over completions"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """with several reward sources: their weighted sum's advantage (--scale_rewards), or GDPO's: each source's scores
+    normalised in their group, then weighted and summed, then normalised over the batch (TRL's)"""
     entropy_coef: float = 0.0
-    """subtract entropy_coef times each counted token's entropy from its loss: a bonus that keeps the policy from
-    collapsing onto one answer (verl's entropy_coeff, OpenRLHF's entropy_loss_coef); 0: off"""
+    """subtract entropy_coef times the mean entropy of the micro-batch's counted tokens from its loss, whatever
+    --loss_type (TRL 1.16's): a bonus that keeps the policy from collapsing onto one answer; 0: off"""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive coefficient (TRL's): after each optimiser step --entropy_coef rises by
+    --entropy_coef_delta if the step's mean entropy was at most --entropy_target, else falls; the bonus applies only
+    while it was"""
+    entropy_coef_min: float = 0.0
+    """the adaptive coefficient's lower bound"""
+    entropy_coef_max: float = 1.0
+    """the adaptive coefficient's upper bound"""
+    entropy_coef_delta: float = 0.005
+    """the adaptive coefficient's step"""
+    entropy_target: float = 0.2
+    """the mean token entropy (nats) the adaptive coefficient holds the policy at"""
     top_entropy_quantile: float = 1.0
     """only the tokens whose entropy is in this top fraction of the micro-batch's (all processes') tokens get a policy
     gradient ("Beyond the 80/20 Rule", Wang et al. 2025, who use 0.2; TRL's name): 1 keeps every token, 0 only the
@@ -118,7 +114,10 @@ class GRPOArgs:
 # the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
 # the algorithm's flags first, then the model and data, then the rest
 @dataclass
-class Args(infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, GRPOArgs):
+class Args(
+    infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.RefSyncArgs,
+    GRPOArgs
+):  # fmt: skip
     """GRPO's flags, then those every script shares (infra/*flags.py): the score's shaping; the model, data and reward
     sources; the rollout; dynamic sampling; the environment (multi-turn episodes); the evaluation; the run (the batch
     and its optimiser, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
@@ -161,6 +160,32 @@ def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
         advantages = advantages / (batch_std(scores[valid.flatten()], reduce) + 1e-4)
     advantages = advantages.masked_fill(zero_std | ~valid, 0.0)
     return advantages.flatten(), zero_std.expand_as(grouped).flatten()
+
+
+def normalized_sum(per_source, weights, k, reduce=None):
+    """GDPO's advantages (--multi_objective_aggregation normalize_then_sum, as TRL 1.16's): each source's rewards less
+    their group's mean, over their group's unbiased std + 1e-4 (both over the completions it scored), weighted and
+    summed over the sources that scored the completion, then less the global batch's mean, over its unbiased std + 1e-4
+    (reduce: a sum over processes). per_source (sources, prompts * k), NaN where a source gave none. Returns
+    (prompts * k,); a completion no source scored gets 0."""
+    rewards = per_source.T.reshape(-1, k, len(per_source))  # (prompts, k, sources)
+    n = (~rewards.isnan()).sum(1, keepdim=True)
+    deviation = rewards - rewards.nansum(1, keepdim=True) / n.clamp(min=1)
+    std = (deviation.nan_to_num() ** 2).sum(1, keepdim=True).div((n - 1).clamp(min=1)).sqrt()
+    summed, scored = utils.weighted_scores((deviation / (std + 1e-4)).reshape(-1, len(per_source)).T, weights)
+    total = torch.stack([summed[scored].sum(), scored.sum().to(summed.dtype)])
+    mean = (total if reduce is None else reduce(total)).unbind()
+    advantages = (summed - mean[0] / mean[1]) / (batch_std(summed[scored], reduce) + 1e-4)
+    return advantages.masked_fill(~scored, 0.0)
+
+
+def adapted_entropy_coef(coef, entropy, args):
+    """Skywork-OR1's adaptive entropy coefficient (--use_adaptive_entropy, TRL 1.16's), after an optimiser step whose
+    mean token entropy on all processes was `entropy`: --entropy_coef_delta more (to at most --entropy_coef_max) if that
+    was at most --entropy_target, else as much less (to at least --entropy_coef_min)"""
+    if entropy <= args.entropy_target:
+        return min(coef + args.entropy_coef_delta, args.entropy_coef_max)
+    return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
 def sequence_log_ratio(log_ratio, mask):
@@ -249,15 +274,21 @@ def off_policy_keep(advantages, logprobs, behaviour_logprobs, mask, threshold):
 
 
 def main(args):
-    if args.num_generations < 2:
-        utils.die(f"--num_generations must be at least 2 (a group's std needs two samples), got {args.num_generations}")
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    infra.flags.at_least(args, 2, "num_generations")  # (a group's std needs two samples)
+    infra.flags.at_least(args, 1, "num_iterations")
+    infra.flags.at_least(args, 0, "epsilon", "epsilon_high", "beta", "off_policy_mask_threshold", "entropy_target")
+    infra.flags.at_least(args, 0, "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg")
+    infra.flags.at_least(args, 0, "entropy_coef_min", "entropy_coef_delta")
+    for name in ("ratio_threshold", "delta", "sapo_temperature_pos", "sapo_temperature_neg"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            utils.die(f"--{name} must be positive, got {getattr(args, name)}")
     if not 0 <= args.top_entropy_quantile <= 1:
         utils.die(f"--top_entropy_quantile must be in [0, 1], got {args.top_entropy_quantile}")
-    if args.epsilon < 0 or epsilon_high < 0 or args.beta < 0 or args.num_iterations < 1:
-        utils.die("--epsilon, --epsilon_high and --beta must be >= 0 and --num_iterations >= 1")
-    if args.ratio_threshold is not None and args.ratio_threshold <= 0:
-        utils.die("--ratio_threshold must be positive")
+    if not args.entropy_coef_min <= args.entropy_coef_max:
+        utils.die("--entropy_coef_max must be at least --entropy_coef_min")
+    if args.use_adaptive_entropy and not args.entropy_coef_min <= args.entropy_coef <= args.entropy_coef_max:
+        utils.die("--use_adaptive_entropy: --entropy_coef must be in [--entropy_coef_min, --entropy_coef_max]")
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     # GSPO (Zheng et al. 2025) averages the sequence loss over completions; a token sum would weigh each by its length
     gspo = args.importance_sampling_level == "sequence"
     args.loss_type = loss_type = args.loss_type or ("grpo" if gspo else "dapo")
@@ -266,14 +297,12 @@ def main(args):
             "GSPO's objective (--importance_sampling_level sequence) is a mean over completions: --loss_type grpo (or "
             "luspo, sapo); vespo weighs the completion's ratio itself"
         )
-    if args.delta is not None and args.delta <= 0:
-        utils.die(f"--delta must be positive (INTELLECT-2: above 1 + --epsilon_high), got {args.delta}")
-    if min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
-        utils.die("--sapo_temperature_pos and --sapo_temperature_neg must be positive")
-    if min(args.vespo_k_pos, args.vespo_k_neg, args.vespo_lambda_pos, args.vespo_lambda_neg) < 0:
-        utils.die("--vespo_k_pos, --vespo_k_neg, --vespo_lambda_pos and --vespo_lambda_neg must be >= 0")
-    if args.off_policy_mask_threshold is not None and args.off_policy_mask_threshold < 0:
-        utils.die(f"--off_policy_mask_threshold must be >= 0, got {args.off_policy_mask_threshold}")
+    gdpo = args.multi_objective_aggregation == "normalize_then_sum"
+    if gdpo and (args.missing_eos_penalty is not None or args.use_score_scaling or args.score_clip is not None):
+        utils.die("--missing_eos_penalty, --use_score_scaling and --score_clip shape the sources' sum, which "
+                  "--multi_objective_aggregation normalize_then_sum does not use")  # fmt: skip
+    if args.sync_ref_model and args.beta == 0:
+        utils.die("--sync_ref_model updates the reference, which --beta 0 does not load: give --beta > 0")
     k = args.num_generations  # completions per prompt
     run = infra.start(args, k=args.num_generations)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen initial
@@ -293,6 +322,9 @@ def main(args):
     # TRL's --use_score_scaling, --use_score_norm and --score_clip; a checkpoint holds the running moments
     scaler = utils.ScoreScaler(args.use_score_scaling, args.use_score_norm, args.score_clip, reduce=run.reduce_sum)
     accelerator.register_for_checkpointing(scaler)
+    # the entropy bonus's coefficient and the last optimiser step's entropy (--use_adaptive_entropy; none yet)
+    entropy_ctl = infra.CheckpointedNumber((args.entropy_coef, math.inf))
+    accelerator.register_for_checkpointing(entropy_ctl)
 
     def keep(batch):  # --dynamic_sampling (DAPO): the groups whose scores, clipped as the advantages see them, differ
         scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
@@ -342,8 +374,10 @@ def main(args):
             if args.mask_truncated_completions:
                 loss_mask = loss_mask & batch.contain_eos[:, None]
 
-            # 4. GRPO: group-relative advantages, one per completion, given to each of its tokens
+            # 4. GRPO: group-relative advantages, one per completion, given to each of its tokens; GDPO: of each source's
             advantages, zero_std = group_advantages(scores, k, args.scale_rewards, scored=scored, reduce=run.reduce_sum)
+            if gdpo:
+                advantages = normalized_sum(batch.per_source, run.weights, k, reduce=run.reduce_sum)
 
         # 5. update: iterations x mini-batches x gradient-accumulation micro-batches, against the rollout's logprobs
         policy.train(args.gradient_checkpointing)
@@ -356,6 +390,7 @@ def main(args):
             step_tokens = torch.stack([loss_mask[torch.cat(micros)].sum() for micros in mini_batches]).float()
             dapo_tokens = run.reduce_sum(step_tokens).clamp(min=1.0) / (args.world_size * args.gradient_accumulation_steps)
             for mb, mini_batch in enumerate(mini_batches):
+                window = 0.0  # --use_adaptive_entropy: the optimiser step's (entropy sum, token count)
                 for micro in mini_batch:
                     with accelerator.accumulate(policy):
                         mb_unsampled, mb_loss_mask = unsampled[micro], loss_mask[micro]
@@ -420,8 +455,6 @@ def main(args):
                             pool = accelerator.gather(pool)
                             trained = high_entropy_mask(entropy, mb_loss_mask, args.top_entropy_quantile, pool[pool >= 0])
                             per_token_loss = per_token_loss * trained
-                        if args.entropy_coef:  # the entropy bonus, on every counted token
-                            per_token_loss = per_token_loss - args.entropy_coef * entropy
                         if args.beta:  # k3, whose gradient in expectation is that of KL(ref || policy)
                             kl = utils.kl_estimate(new_logprobs, ref_logprobs[micro], "k3")
                             if args.use_bias_correction_kl:  # weighed by the ratio: unbiased off the rollout policy
@@ -442,12 +475,23 @@ def main(args):
                         skip = args.ratio_threshold is not None and ratio[mb_loss_mask].mean() > args.ratio_threshold
 
                         loss = pg_loss + run.ptx_loss(policy)  # LightRFT's PTX loss, 0 without --ptx_coef
+                        if args.entropy_coef or args.use_adaptive_entropy:  # TRL's entropy bonus: the mean entropy
+                            counted = trained.to(entropy.dtype)  # of the tokens that get a policy gradient
+                            coef, last = entropy_ctl.value  # (adaptive: only while the last step's was on target)
+                            coef = coef if not args.use_adaptive_entropy or last <= args.entropy_target else 0.0
+                            loss = loss - coef * (entropy * counted).sum() / counted.sum().clamp(min=1.0)
+                            window = window + torch.stack([(entropy.detach() * counted).sum(), counted.sum()])
                         run.check_finite(loss)
                         accelerator.backward(loss * 0.0 if skip else loss)
                         run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
                         optimizer.step()
                         optimizer.zero_grad()
                         run.after_step(policy)  # --ema_beta
+                        if args.use_adaptive_entropy and accelerator.sync_gradients:  # the next step's coefficient
+                            total, count = run.reduce_sum(window).tolist()
+                            last = total / max(count, 1.0)
+                            entropy_ctl.value = (adapted_entropy_coef(entropy_ctl.value[0], last, args), last)
+                            window = 0.0
 
                         # token means over the whole update, on all processes; TRL's clip ratios: the tokens whose
                         # gradient the clip removed, below (ratio < 1 - epsilon with a negative advantage) or above
@@ -472,6 +516,12 @@ def main(args):
                         stats.add(**{"loss/policy_avg": pg_loss, "val/ratio": mb_ratio})
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
+
+                # TR-DPO (TRL's sync_ref_model): every ref_model_sync_steps optimiser steps, the reference moves to the
+                # policy by alpha (the next rollout's reference logprobs are the new one's)
+                steps = ((update - 1) * args.num_iterations + epoch) * args.num_mini_batches + mb + 1
+                if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:
+                    utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)
         policy.eval()
 
         # the update's statistics, averaged over the processes as they are written; a completion's length is the
@@ -497,6 +547,8 @@ def main(args):
             total, count = run.reduce_sum(torch.stack([raw.sum(), scored.float().sum()])).tolist()
             lengths = accelerator.gather(lengths)
             metrics = {"lr": lr, **scaler.metrics(), "reward": total / max(count, 1.0)}
+            if args.entropy_coef or args.use_adaptive_entropy:
+                metrics["entropy_coef"] = entropy_ctl.value[0]
             metrics["reward_std"] = batch_std(raw_scores[scored], run.reduce_sum).item()
             metrics.update({"completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
         # metrics.jsonl, TensorBoard, wandb; samples, completions

@@ -69,7 +69,7 @@ class RLOOArgs:
 # the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
 # the algorithm's flags first, then the model and data, then the rest
 @dataclass
-class Args(infra.RunArgs, infra.GroupArgs, infra.RolloutArgs, infra.TldrArgs, RLOOArgs):
+class Args(infra.RunArgs, infra.GroupArgs, infra.RolloutArgs, infra.TldrArgs, infra.RefSyncArgs, RLOOArgs):
     """rloo.py's flags with the TL;DR benchmark's defaults: RLOO's flags, then the score's shaping; the TL;DR policy,
     data, reward model and evaluation (infra.TldrArgs); the rollout; dynamic sampling; the run (the batch and learning
     rate, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
@@ -226,7 +226,7 @@ def main(args):
         for epoch in range(args.num_ppo_epochs):
             # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
             sizes = (args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size)
-            for mini_batch in utils.minibatches(*sizes, group=k, device=run.device):
+            for mb, mini_batch in enumerate(utils.minibatches(*sizes, group=k, device=run.device)):
                 for micro in mini_batch:
                     with accelerator.accumulate(policy):
                         logits = utils.forward_grouped(
@@ -271,6 +271,10 @@ def main(args):
                         )
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
+                # TR-DPO (TRL's sync_ref_model): every ref_model_sync_steps optimiser steps, the reference moves to the policy
+                steps = ((update - 1) * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb + 1
+                if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:
+                    utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)
         policy.eval()
 
         # the update's statistics, averaged over the processes as they are written

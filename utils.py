@@ -143,6 +143,13 @@ def reference_model(policy, ref_policy):
             yield policy
 
 
+@torch.no_grad()
+def sync_reference(ref_policy, policy, alpha):
+    """TR-DPO's reference update (Gorbatovski et al. 2024, TRL's sync_ref_model): ref <- alpha policy + (1 - alpha) ref"""
+    for ref, param in zip(ref_policy.parameters(), policy.parameters()):
+        ref.lerp_(param.to(ref.dtype), alpha)
+
+
 # families whose attention takes every position from position_ids and a 4D mask as given, so that a packed row gives
 # what each row alone does (each tested in tests/test_families.py); any other runs its rows in full. Out: GPT-Neo (its
 # local attention counts columns), Bloom and MPT (ALiBi from columns or a 2D mask), recurrent and hybrid models (a

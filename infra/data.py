@@ -230,17 +230,20 @@ def draw_prompts(data, args, k, process_index, index=None):
 class Shuffled:
     """Draws indices of n items without replacement from a reshuffle per pass, from a generator seeded with `seed`, so
     every process draws the same. state_dict/load_state_dict let a checkpoint hold the position (and the generator,
-    which the scripts also draw the sampling noise from)."""
+    which the scripts also draw the sampling noise from). shuffle False: the items in their order, pass after pass."""
 
-    def __init__(self, n, seed):
-        self.n, self.rng = n, torch.Generator().manual_seed(seed)
-        self.order, self.cursor = torch.randperm(n, generator=self.rng), 0
+    def __init__(self, n, seed, shuffle=True):
+        self.n, self.rng, self.shuffle = n, torch.Generator().manual_seed(seed), shuffle
+        self.order, self.cursor = self.permutation(), 0
+
+    def permutation(self):
+        return torch.randperm(self.n, generator=self.rng) if self.shuffle else torch.arange(self.n)
 
     def take(self, count):
         idx = []
         while len(idx) < count:
             if self.cursor == self.n:
-                self.order, self.cursor = torch.randperm(self.n, generator=self.rng), 0
+                self.order, self.cursor = self.permutation(), 0
             step = min(count - len(idx), self.n - self.cursor)
             idx += self.order[self.cursor : self.cursor + step].tolist()
             self.cursor += step

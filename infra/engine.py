@@ -22,12 +22,13 @@ from .data import left_pad
 from .decode import as_rule
 
 
-def vllm_engine(accelerator, args, policy, sampling=None):
+def vllm_engine(accelerator, args, policy, sampling=None, tokenizer=None):
     """A vLLM engine in this process (TRL's colocate mode) with the policy's architecture and random weights (sampling:
     the sampling rule's settings, vllm_sampling's, refused in one line before it starts where vLLM refuses them):
     vllm_sync gives it the policy's before each rollout. With several processes each has an engine that samples
     its share of the prompts (vLLM's external_launcher: the engines join the processes' torch.distributed world). It
-    reads no tokenizer (prompts go in as token ids) and reports the logprobs of the distribution it samples from
+    reads no tokenizer (prompts go in as token ids; with --vllm_structured_outputs_regex it reads tokenizer's, which its
+    grammar needs, and keeps the regex as engine.regex) and reports the logprobs of the distribution it samples from
     (the sampling rule's: vllm_sampling). On a machine without CUDA it is vLLM's CPU build, given a KV cache of
     VLLM_CPU_KVCACHE_SPACE GiB (default here 2) and this process's share of the cores. vLLM logs its errors only
     (VLLM_LOGGING_LEVEL=INFO shows the rest). A model the engine cannot run stops the run here, in one line."""
@@ -64,6 +65,11 @@ def vllm_engine(accelerator, args, policy, sampling=None):
     if getattr(args, "environment", None):
         positions = getattr(config.get_text_config(), "max_position_embeddings", None)
         context = min(args.max_prompt_length + args.max_episode_tokens, positions or math.inf)
+    if args.vllm_max_model_length is not None:  # (a longer one only takes memory; a shorter one would cut completions)
+        if args.vllm_max_model_length < context:
+            die(f"--vllm_max_model_length {args.vllm_max_model_length} is less than the {context} tokens a prompt and its"
+                " completion may take (--max_prompt_length and --response_length): lower those instead")  # fmt: skip
+        context = args.vllm_max_model_length
     config.architectures = [type(base).__name__]  # (a model built from a config has none): the engine's model class
     # vLLM seeds the random, numpy and torch streams of the process it starts in (and its checks below draw from them):
     # the run's own are kept as they were (each process's, from setup)
@@ -72,12 +78,15 @@ def vllm_engine(accelerator, args, policy, sampling=None):
     with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=devices), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (vLLM's own use of deprecated torch names)
         config.save_pretrained(folder)
+        regex = args.vllm_structured_outputs_regex
+        if regex is not None:
+            tokenizer.save_pretrained(folder)
         engine = vllm_or_die(
             LLM,
             config.model_type,
             model=folder,
             load_format="dummy",
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=regex is None,
             dtype="bfloat16" if args.bf16 else "float32",
             seed=args.seed,
             max_model_len=context,
@@ -86,15 +95,19 @@ def vllm_engine(accelerator, args, policy, sampling=None):
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             enforce_eager=args.vllm_enforce_eager,
+            model_impl=args.vllm_model_impl,
             distributed_executor_backend=backend,
         )
         check_vllm_engine(engine, config.model_type)
         check_vllm_logprobs(engine, policy, config.model_type, bf16=args.bf16)
+        engine.regex = regex
     random.setstate(streams[0])
     np.random.set_state(streams[1])
     if accelerator.is_main_process:
         mode = "eager" if args.vllm_enforce_eager else "compiled"
-        print(f"vLLM engine ready in {time.time() - start:.1f} s ({config.model_type}, {mode})")
+        model = engine.llm_engine.model_config  # (as vLLM took it: its implementation, its context)
+        print(f"vLLM engine ready in {time.time() - start:.1f} s ({config.model_type}, {mode}, model_impl "
+              f"{model.model_impl}, max_model_len {model.max_model_len})")  # fmt: skip
     return engine
 
 
@@ -235,6 +248,10 @@ def vllm_generate(engine, queries, query_mask, k, max_tokens, rule, stop_token_i
     stop = [stop_token_id] if stop_token_id is not None else None
     most = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(n) for n in max_tokens]
     sampling = vllm_sampling(rule)
+    if getattr(engine, "regex", None) is not None:  # --vllm_structured_outputs_regex: each completion matches it
+        from vllm.sampling_params import StructuredOutputsParams
+
+        sampling["structured_outputs"] = StructuredOutputsParams(regex=engine.regex)
     params = [
         # ignore_eos: the engine would also stop at the EOS token of the model's config, which generate() does not
         SamplingParams(

@@ -98,6 +98,14 @@ class RolloutArgs(Checked):
     """the GPUs the engine shards the model over"""
     vllm_enforce_eager: bool = False
     """run the engine without compiled graphs: starts in seconds instead of a minute, generates slower"""
+    vllm_model_impl: Literal["vllm", "transformers"] = "vllm"
+    """the engine's implementation of the model: vLLM's own, or transformers' model run by vLLM (TRL's)"""
+    vllm_structured_outputs_regex: Optional[str] = None
+    """with --use_vllm, every completion is drawn to match this regular expression (vLLM's structured outputs; TRL's);
+    the trainer's logprobs are the unconstrained policy's, the engine's the constrained draw's"""
+    vllm_max_model_length: Optional[int] = None
+    """the engine's context in tokens (TRL's); None: the longest prompt and its completion (with --environment, its
+    episode), which is also the most a shorter one lets the run ask for"""
     vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]] = (
         None
     )
@@ -146,6 +154,9 @@ class RolloutArgs(Checked):
                 die(f"--{name} must be {words}, got {settings[name]!r}")
         at_least(self, 1, "response_length", "local_rollout_forward_batch_size", "vllm_tensor_parallel_size")
         at_least(self, 0, "stop_token_id", "max_staleness")
+        at_least(self, 1, "vllm_max_model_length")
+        if self.vllm_structured_outputs_regex is not None and not self.use_vllm:
+            die("--vllm_structured_outputs_regex constrains vLLM's draw: it needs --use_vllm")
         if self.response_length_min is not None and not 1 <= self.response_length_min <= self.response_length:
             bound = f"[1, --response_length {self.response_length}]"
             die(f"--response_length_min must be in {bound}, got {self.response_length_min}")
@@ -223,6 +234,8 @@ class DataArgs(ScoreArgs):
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
     dataset_split: str = "train"
     """the dataset split to train on"""
+    shuffle_dataset: bool = True
+    """draw the prompts from a reshuffle of the dataset per pass (TRL's); --no_shuffle_dataset: in the dataset's order"""
     prompt_field: str = "prompt"
     """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
     max_prompt_length: int = 128
@@ -258,14 +271,39 @@ class EvalArgs(Checked):
     num_eval_generations: int = 0
     """completions sampled per held-out prompt at --temperature besides the greedy one, for eval/mean@k and
     eval/pass@k (0: greedy only)"""
+    num_generations_eval: Optional[int] = None
+    """TRL's name for --num_eval_generations, which it sets (TRL's evaluation's mean score is eval/mean@k here)"""
     eval_batch_size: int = 64
     """held-out prompts per generation pass in the evaluation, per process"""
     eval_sources: ClassVar[Optional[int]] = None  # the first this many reward sources score the evaluation; None: all
 
     def __post_init__(self):
+        if self.num_generations_eval is not None:
+            self.num_eval_generations, self.num_generations_eval = self.num_generations_eval, None
         at_least(self, 0, "eval_every", "num_eval_generations")
         at_least(self, 1, "eval_batch_size")
         check_paths(self, "eval_dataset_name")
+        super().__post_init__()
+
+
+@dataclass
+class RefSyncArgs(Checked):
+    """TR-DPO's reference updates (TRL's names), for a script with a KL to a reference."""
+
+    sync_ref_model: bool = False
+    """every --ref_model_sync_steps optimiser steps the reference becomes alpha x policy + (1 - alpha) x reference,
+    alpha = --ref_model_mixup_alpha (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment")"""
+    ref_model_mixup_alpha: float = 0.6
+    """the policy's share in each reference update"""
+    ref_model_sync_steps: int = 512
+    """optimiser steps between reference updates"""
+
+    def __post_init__(self):
+        at_least(self, 1, "ref_model_sync_steps")
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            die(f"--ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.sync_ref_model and getattr(self, "use_peft", False):  # (the reference is the policy without adapters)
+            die("--sync_ref_model needs a reference of its own, which --use_peft does not load (as TRL)")
         super().__post_init__()
 
 

@@ -114,6 +114,9 @@ def write_completions(accelerator, args, episode, update, prompts, completions, 
         import wandb
 
         names = list(rows[0])
+        if args.log_unique_prompts:  # (completions.jsonl keeps them all)
+            first = {}
+            rows = [first.setdefault(row["prompt"], row) for row in rows if row["prompt"] not in first]
         wandb.log({"completions": wandb.Table(columns=names, data=[[row[n] for n in names] for row in rows])})
 
 

@@ -82,7 +82,7 @@ class Sampler:
         self.group = self.k if self.chunk % self.k == 0 else 1
         self.engine = None
         if args.use_vllm:  # a vLLM engine in this process, given the policy's weights before each batch
-            self.engine = vllm_engine(accelerator, args, self.unwrapped(), vllm_sampling(self.rule))
+            self.engine = vllm_engine(accelerator, args, self.unwrapped(), vllm_sampling(self.rule), run.tokenizer)
         self.decode = decoder(run)  # CUDA graphs where they work (--cuda_graphs), else generate()
         # the most tokens an episode's context may hold, its prompt included: the model's positions, and the episode's
         # whole budget (the engine's length, with or without an engine: the same episodes either way)

@@ -88,7 +88,7 @@ class Run:
         # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
         # own slice), and the sampling noise drawn from the same generator; the PTX texts have a stream of their own,
         # so the prompts are the same with or without them. accelerate's checkpoints hold every object registered
-        self.data = Shuffled(len(self.queries), args.seed)
+        self.data = Shuffled(len(self.queries), args.seed, shuffle=getattr(args, "shuffle_dataset", True))
         accelerator.register_for_checkpointing(self.data)
         if self.ptx_texts is not None:
             self.ptx_stream = Shuffled(len(self.ptx_texts), args.seed)
@@ -183,8 +183,10 @@ class Run:
         if accelerator.is_main_process and every and (update - 1) % every == 0:
             print_samples(
                 f"update {update}",
-                prompts=batch.texts[:4],
-                completions=self.tokenizer.batch_decode(batch.responses[:4], skip_special_tokens=True),
+                prompts=batch.texts[: args.num_completions_to_print],
+                completions=self.tokenizer.batch_decode(
+                    batch.responses[: args.num_completions_to_print], skip_special_tokens=True
+                ),
                 per_source=batch.per_source,
                 sources=self.sources,
                 scores=scores,
@@ -303,6 +305,18 @@ def start(args, k=1, default_reward="sentiment", examples=None):
     )
     args.distributed_type = accelerator.distributed_type.value
     args.world_size = accelerator.num_processes
+    # TRL's generation_batch_size (a rollout's completions) and steps_per_generation (its micro-batches): the mini-batches
+    steps, micro = getattr(args, "steps_per_generation", None), args.per_device_train_batch_size * args.world_size
+    if getattr(args, "generation_batch_size", None) is not None:
+        if args.generation_batch_size % micro:
+            die(f"--generation_batch_size {args.generation_batch_size} must be a multiple of the {micro} completions of "
+                "a micro-batch on all processes (--per_device_train_batch_size x processes)")  # fmt: skip
+        steps = args.generation_batch_size // micro
+    if steps is not None:
+        if steps % args.gradient_accumulation_steps:
+            die(f"a rollout of {steps} micro-batches (--steps_per_generation or --generation_batch_size) must be a multiple"
+                f" of --gradient_accumulation_steps {args.gradient_accumulation_steps}: whole optimiser steps")  # fmt: skip
+        args.num_mini_batches = steps // args.gradient_accumulation_steps
     args.local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
@@ -329,6 +343,8 @@ def start(args, k=1, default_reward="sentiment", examples=None):
     # every process would need the whole policy to average it
     if args.ema_beta is not None and zero3(accelerator):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if getattr(args, "sync_ref_model", False) and zero3(accelerator):  # (the policy's and reference's shards differ)
+        die("--sync_ref_model does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if zero3(accelerator) and args.use_peft:
         die("--use_peft does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if getattr(args, "max_staleness", 0) and (zero3(accelerator) or getattr(args, "dynamic_sampling", False)):

@@ -167,11 +167,21 @@ class TrainArgs(Checked):
 class RunArgs(TrainArgs):
     """The RL scripts' run: TrainArgs, then the samples they print and write, and LightRFT's PTX loss."""
 
+    steps_per_generation: Optional[int] = None
+    """TRL's: the micro-batches (of --per_device_train_batch_size) one rollout is trained in, which sets
+    --num_mini_batches to it / --gradient_accumulation_steps (a multiple of it); None: --num_mini_batches'"""
+    generation_batch_size: Optional[int] = None
+    """TRL's: the completions of one rollout on all processes, which sets --steps_per_generation to it /
+    (--per_device_train_batch_size x processes); None: --num_mini_batches'"""
     num_sample_generations: int = 10
     """how many times per run to print a table of sample completions (0: never)"""
+    num_completions_to_print: Optional[int] = 4
+    """the completions in each table of samples (TRL's name; None: the whole batch of the main process)"""
     log_completions: bool = False
     """write every completion (prompt, completion, each source's reward, advantage) to output_dir/completions.jsonl,
     and with --track a wandb table of each update's"""
+    log_unique_prompts: bool = False
+    """the wandb table of --log_completions holds each prompt's first completion only (TRL's)"""
     ptx_coef: float = 0.0
     """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
     loss); 0: off"""
@@ -186,6 +196,9 @@ class RunArgs(TrainArgs):
 
     def __post_init__(self):
         at_least(self, 0, "num_sample_generations", "ptx_coef")
+        at_least(self, 1, "steps_per_generation", "generation_batch_size", "num_completions_to_print")
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            die("give --steps_per_generation or --generation_batch_size, not both (one sets the other, as TRL's)")
         if self.ptx_coef > 0 and not self.ptx_dataset:
             die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
         if self.ptx_max_length is not None and self.ptx_max_length < 2:

@@ -13,9 +13,11 @@ from test_rloo import VOWELS, check_ok, read_metrics, reward_keys
 
 sys.path.insert(0, REPO)
 from grpo import (  # noqa: E402
+    adapted_entropy_coef,
     aggregate_loss,
     group_advantages,
     high_entropy_mask,
+    normalized_sum,
     off_policy_keep,
     policy_loss,
     sequence_log_ratio,
@@ -71,6 +73,49 @@ def test_batch_scaling_sums_its_statistics_over_processes():
 
         part, _ = group_advantages(halves[p], 4, "batch", reduce=reduce)
         torch.testing.assert_close(part, whole[8 * p : 8 * p + 8])
+
+
+def test_normalize_then_sum_matches_a_naive_loop():
+    """GDPO (TRL's normalize_then_sum): each source normalised in its group over the completions it scored, weighted,
+    summed, then normalised over the batch; a source's None (NaN) and a completion no source scored as TRL's nan ops."""
+    torch.manual_seed(2)
+    k, weights = 4, [0.5, 2.0]
+    per_source = torch.randn(2, 5 * k)
+    per_source[0, 3] = per_source[1, 3] = math.nan  # scored by neither source
+    per_source[1, 4:7] = math.nan  # a group the second source scored once
+    per_source[0, 9] = math.nan
+    got = normalized_sum(per_source, weights, k)
+    sums = []
+    for row in range(5 * k):
+        j, total, any_scored = row // k, 0.0, False
+        for s, w in enumerate(weights):
+            value = per_source[s, row].item()
+            group = [v for v in per_source[s, j * k : (j + 1) * k].tolist() if not math.isnan(v)]
+            if math.isnan(value) or len(group) < 2:  # (TRL's std of one value is NaN, which nansum drops)
+                any_scored |= not math.isnan(value)
+                continue
+            total += w * (value - sum(group) / len(group)) / (statistics.stdev(group) + 1e-4)
+            any_scored = True
+        sums.append(total if any_scored else None)
+    scored = [v for v in sums if v is not None]
+    mean, std = sum(scored) / len(scored), statistics.stdev(scored)
+    for row, value in enumerate(sums):
+        expected = 0.0 if value is None else (value - mean) / (std + 1e-4)
+        assert got[row].item() == pytest.approx(expected, rel=1e-4, abs=1e-5), row
+
+
+def test_adaptive_entropy_follows_trls_rule():
+    """TRL's controller: each step's entropy at most the target raises the coefficient by delta (to at most max), above
+    it lowers it (to at least min)"""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(entropy_coef_min=0.0, entropy_coef_max=0.02, entropy_coef_delta=0.005, entropy_target=0.5)
+    coef, ours = 0.01, 0.01
+    for entropy in [0.4, 0.3, 0.2, 0.1, 0.5, 0.7, 0.8, 0.9, 0.95, 0.6]:
+        coef = min(coef + 0.005, 0.02) if entropy <= 0.5 else max(coef - 0.005, 0.0)
+        ours = adapted_entropy_coef(ours, entropy, args)
+        assert ours == pytest.approx(coef)
+    assert ours == 0.0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
@@ -533,3 +578,71 @@ def test_trls_length_and_turn_names_set_ours():
     env = os.path.join(REPO, "examples", "environments", "guess_number.py") + ":GuessNumber"
     args = grpo.Args(max_completion_length=50, environment=(env,))
     assert (args.response_length, args.max_turns, args.max_episode_tokens) == (24, 4, 50)
+
+
+def test_adaptive_entropy_and_the_reference_sync_as_a_user_runs_them(run, tmp_path, eos_model_dir, tiny_prompts_file):
+    """--use_adaptive_entropy under a target the entropy never exceeds: the coefficient rises by delta each optimiser
+    step (two per update here), and is logged; under a target it never reaches, the bonus never applies.
+    --sync_ref_model with alpha 1 every step: the reference is the policy after each step, so the next rollout's KL to
+    it is zero, where without the sync it is not."""
+    base = (
+        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 64"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_mini_batches 2 --response_length 8"
+        " --learning_rate 3e-2 --temperature 1.0 --no_save_model"
+    )
+    rows = {}
+    for name, flags in [
+        ("adaptive", "--use_adaptive_entropy --entropy_target 100 --entropy_coef_delta 0.01"),
+        ("gated", "--use_adaptive_entropy --entropy_target 0 --entropy_coef 0.5 --entropy_coef_min 0.5 --entropy_coef_max 1"),
+        ("plain", ""),
+    ]:
+        check_ok(run(f"{base} {flags} --output_dir {tmp_path / name}", cwd=tmp_path))
+        rows[name] = [{k: v for k, v in row.items() if k != "eps"} for row in read_metrics(tmp_path / name)]
+    assert [row["entropy_coef"] for row in rows["adaptive"]] == pytest.approx([0.02, 0.04])
+    # the entropy never at most the target: the coefficient stays at its floor, and the bonus never applies
+    assert [row.pop("entropy_coef") for row in rows["gated"]] == [0.5, 0.5] and rows["gated"] == rows["plain"]
+    kl = {}
+    for name, flags in [("sync", "--sync_ref_model --ref_model_sync_steps 1 --ref_model_mixup_alpha 1"), ("none", "")]:
+        out = tmp_path / name
+        check_ok(run(f"{base} --beta 0.04 {flags} --output_dir {out}", cwd=tmp_path))
+        kl[name] = [row["objective/kl"] for row in read_metrics(out)]
+    assert kl["sync"][0] == kl["none"][0] == 0.0  # the first rollout: the reference is the initial policy
+    assert abs(kl["sync"][1]) < 1e-5 and kl["none"][1] > 1e-3, kl
+
+
+def test_trls_batch_names_and_the_printed_samples(run, tmp_path, eos_model_dir, tiny_prompts_file, monkeypatch):
+    """--steps_per_generation 4 (micro-batches per rollout) and --generation_batch_size 32 (a rollout's completions)
+    are --num_mini_batches 2 at --gradient_accumulation_steps 2 (TRL's arithmetic); --num_completions_to_print sets the
+    rows of the sample table."""
+    monkeypatch.setenv("COLUMNS", "200")
+    base = (
+        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 64"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8 --temperature 1.0"
+        " --no_save_model --num_sample_generations 1"
+    )
+    rows, tables = {}, {}
+    for name, flags in [
+        ("mini", "--num_mini_batches 2 --num_completions_to_print 1"),
+        ("steps", "--steps_per_generation 4 --num_completions_to_print 3"),
+        ("size", "--generation_batch_size 32"),
+    ]:
+        proc = run(f"{base} {flags} --output_dir {tmp_path / name}", cwd=tmp_path)
+        check_ok(proc)
+        rows[name] = [{k: v for k, v in row.items() if k != "eps"} for row in read_metrics(tmp_path / name)]
+        tables[name] = sum(line.startswith("├") for line in proc.stdout.splitlines())  # rich: a rule between rows
+    assert len(rows["mini"]) == 2 and rows["steps"] == rows["mini"] and rows["size"] == rows["mini"]
+    assert tables["steps"] - tables["mini"] == 2 and tables["size"] - tables["mini"] == 3  # (4 rows by default)
+    # --no_shuffle_dataset: the prompts in the dataset's order, each with its k completions
+    out = tmp_path / "ordered"
+    check_ok(run(f"{base} --no_shuffle_dataset --log_completions --output_dir {out}", cwd=tmp_path))
+    with open(tiny_prompts_file) as f:
+        dataset = [json.loads(line)["prompt"] for line in f]
+    with open(out / "completions.jsonl") as f:
+        logged = [json.loads(line)["prompt"] for line in f]
+    assert logged == [p for p in dataset[:16] for _ in range(4)]
+
+
+def test_trls_eval_name_sets_ours():
+    import grpo
+
+    assert grpo.Args(num_generations_eval=3).num_eval_generations == 3

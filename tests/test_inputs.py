@@ -29,11 +29,13 @@ ALLOWED = {
     "reward_weights": [], "top_k": [0], "min_p": [0.0], "warmup_ratio": [0.0], "warmup_steps": [0], "min_lr_rate": [0.0],
     "weight_decay": [0.0], "adam_beta1": [0.0], "adam_beta2": [0.0], "off_policy_mask_threshold": [0.0],
     "vespo_k_pos": [0.0], "vespo_k_neg": [0.0], "vespo_lambda_pos": [0.0], "vespo_lambda_neg": [0.0],
-    "max_tool_calling_iterations": [0],
+    "max_tool_calling_iterations": [0], "num_generations_eval": [0], "ref_model_mixup_alpha": [0.0],
+    "entropy_coef_min": [0.0], "entropy_coef_max": [0.0], "entropy_coef_delta": [0.0], "entropy_target": [0.0],
 }  # fmt: skip
 ALLOWED_IN = {("dpo.py", "beta"): []}  # (DPO's beta divides: it must be positive)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
-NAMED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}  # (the deprecated flag sets the other)
+# (the deprecated flag, and TRL's name, set the other)
+NAMED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max", "num_generations_eval": "num_eval_generations"}
 
 
 class ModelLoaded(Exception):

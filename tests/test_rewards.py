@@ -66,7 +66,7 @@ def test_columns_reach_functions_and_weighted_sources_add_up(run, tmp_path, tiny
     out = tmp_path / "out"
     extra = (
         f"--rloo_k 4 --reward_fn {tmp_path}/rewards.py:from_column --reward_fn {tmp_path}/rewards.py:constant"
-        " --reward_weights 0.5 3 --num_sample_generations 2 --track"
+        " --reward_weights 0.5 3 --num_sample_generations 2 --track --log_unique_prompts"
     )
     proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
     check_ok(proc)
@@ -91,15 +91,18 @@ def test_columns_reach_functions_and_weighted_sources_add_up(run, tmp_path, tiny
             assert sum(group) == pytest.approx(0.0, abs=1e-4)
     # the console table has a column per source
     assert "from_column" in proc.stdout and "constant" in proc.stdout
-    # the wandb tables: one per update, the same rows as completions.jsonl (wandb stores NaN-free floats as given)
+    # the wandb tables: one per update, completions.jsonl's rows, with --log_unique_prompts each prompt's first only
+    # (wandb stores NaN-free floats as given)
     (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     tables = sorted(glob.glob(os.path.join(run_dir, "files", "media", "table", "completions_*.table.json")))
     assert len(tables) == 2
     for path in tables:
         with open(path) as f:
             table = json.load(f)
-        update = {tuple(r.values()) for r in logged if r["update"] == table["data"][0][table["columns"].index("update")]}
-        assert table["columns"] == list(logged[0]) and {tuple(r) for r in table["data"]} == update
+        update = [r for r in logged if r["update"] == table["data"][0][table["columns"].index("update")]]
+        first = [r for i, r in enumerate(update) if r["prompt"] not in {u["prompt"] for u in update[:i]}]
+        assert table["columns"] == list(logged[0]) and [tuple(r) for r in table["data"]] == [tuple(r.values()) for r in first]
+        assert len(first) == 4  # the update's four prompts, of the 16 completions
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "ppo.py", "grpo.py"])

@@ -323,3 +323,23 @@ def test_trls_names_and_options(run, tmp_path, tiny_model_dir, tiny_prompts_file
     assert all(r["objective/rlhf_reward"] != r["objective/scores"] for r in rows["masked"])  # (the clamp acted)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "masked").state_dict()
     assert all(torch.equal(saved[name], p) for name, p in initial.state_dict().items())
+
+
+def test_the_reference_sync_as_a_user_runs_it(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--sync_ref_model with alpha 1 every optimiser step: the reference is the policy after each step, so the next
+    rollout's KL to it is zero, where without the sync it is not"""
+    (tmp_path / "reward.py").write_text(VOWELS)
+    kl = {}
+    for name, flags in [("sync", "--sync_ref_model --ref_model_sync_steps 1 --ref_model_mixup_alpha 1"), ("none", "")]:
+        out = tmp_path / name
+        proc = run(
+            f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4"
+            f" --reward_fn {tmp_path}/reward.py:vowels --temperature 1.0"
+            " --total_episodes 32 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8"
+            f" --learning_rate 3e-2 --no_save_model --num_sample_generations 0 {flags} --output_dir {out}",
+            cwd=tmp_path,
+        )
+        check_ok(proc)
+        kl[name] = [row["objective/kl"] for row in read_metrics(out)]
+    assert kl["sync"][0] == kl["none"][0] == 0.0
+    assert abs(kl["sync"][1]) < 1e-5 and abs(kl["none"][1]) > 1e-3, kl

@@ -792,3 +792,23 @@ def test_decay_groups_spare_what_transformers_spares():
         assert {names[id(p)] for p in decay["params"]} == expected & trainable
         assert {names[id(p)] for p in rest["params"]} == trainable - expected
         assert rest["params"] and decay["params"]
+
+
+def test_the_reference_sync_is_trls_mixup():
+    """utils.sync_reference against alpha p + (1 - alpha) ref per weight, and TRL's own SyncRefModelCallback where TRL
+    imports"""
+    torch.manual_seed(3)
+    policy, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in ref.parameters()]
+    utils.sync_reference(ref, policy, 0.6)
+    for r, b, p in zip(ref.parameters(), before, policy.parameters()):
+        torch.testing.assert_close(r, 0.6 * p + 0.4 * b)
+    try:
+        from trl.trainer.callbacks import SyncRefModelCallback
+    except ImportError:
+        return
+    theirs = torch.nn.Linear(4, 3)
+    theirs.load_state_dict(dict(zip(["weight", "bias"], before)))
+    SyncRefModelCallback._sync_target_model(policy, theirs, 0.6)
+    for r, t in zip(ref.parameters(), theirs.parameters()):
+        torch.testing.assert_close(r, t, rtol=0, atol=1e-7)

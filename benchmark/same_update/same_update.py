@@ -13,11 +13,11 @@ beta 0, clip 0.2, fp32. Our side imports grpo.py's own `group_advantages`, `poli
 accelerator.backward all run.
 
 The other loss types and corrections, each with its TRL 1.16 field set the same on both sides: --loss_type cispo, sapo,
-luspo (with --importance_sampling_level sequence, as TRL advises), vespo; --delta; --off_policy_mask_threshold;
---beta with the bias-corrected KL (TRL's default); --top_k/--top_p (the completions are drawn by the truncated rule;
-both sides' losses read the untruncated logprobs). On policy every ratio is 1, where most of them coincide, so
---old_noise S hands both sides old logprobs (and --beta a reference's) that are the policy's plus Gaussian noise of
-std S, as an earlier iteration's would be: the ratios then spread around 1 and every branch is taken."""
+luspo (with --importance_sampling_level sequence, as TRL advises), vespo; --delta; --off_policy_mask_threshold; --beta
+with the bias-corrected KL (TRL's default); --entropy_coef (TRL's bonus); --top_k/--top_p (the completions are drawn by
+the truncated rule; both sides' losses read the untruncated logprobs). On policy every ratio is 1, where most of them
+coincide, so --old_noise S hands both sides old logprobs (and --beta a reference's) that are the policy's plus Gaussian
+noise of std S, as an earlier iteration's would be: the ratios then spread around 1 and every branch is taken."""
 
 import argparse
 import os
@@ -56,6 +56,7 @@ parser.add_argument("--off_policy_mask_threshold", type=float, default=None)
 parser.add_argument("--beta", type=float, default=0.0, help="with the bias-corrected KL, TRL's default")
 parser.add_argument("--top_k", type=int, default=0)
 parser.add_argument("--top_p", type=float, default=1.0)
+parser.add_argument("--entropy_coef", type=float, default=0.0, help="TRL's entropy bonus")
 parser.add_argument("--old_noise", type=float, default=0.0, help="the old (and reference) logprobs' distance")
 cli = parser.parse_args()
 MODEL, PROMPTS, SEED = cli.model, os.path.join(REPO, "data", "prompts.jsonl"), cli.seed
@@ -174,6 +175,9 @@ for ga, micro_inds in enumerate(micro_batches):
     pg_loss = aggregate_loss(
         per_token_loss, mb_mask, loss_type=cli.loss_type, response_length=RESPONSE_LENGTH, dapo_tokens=dapo_tokens[0]
     )
+    if cli.entropy_coef:  # grpo.py's bonus: the mean entropy of the loss tokens (no --top_entropy_quantile here)
+        counted = mb_mask.to(entropy.dtype)
+        pg_loss = pg_loss - cli.entropy_coef * (entropy * counted).sum() / counted.sum().clamp(min=1.0)
     scaled = pg_loss / GA  # accelerator.backward divides by gradient_accumulation_steps (Accelerator(GA=2), not DeepSpeed)
     scaled.backward()
     our_losses.append(scaled.item())
@@ -211,6 +215,7 @@ config = GRPOConfig(  # benchmark/curves/trl_real.py's fields with curves.py's v
     off_policy_mask_threshold=cli.off_policy_mask_threshold,
     top_k=cli.top_k,
     top_p=cli.top_p,
+    entropy_coef=cli.entropy_coef,
     learning_rate=5e-5,
     adam_epsilon=1e-5,
     lr_scheduler_type="linear",
