@@ -166,7 +166,7 @@ def main(args):
         # 1. one completion per prompt: the student's own, or (GKD, --lmbda below 1) the dataset's; the same choice on
         # every process and in a resumed run; with --max_staleness N, drawn N updates ago and sampled since, ahead
         batch = sampler.rollout(sampler.draw, completions=lambda u: None if on_policy(u) else args.completion_field)
-        unsampled = batch.unsampled  # (rows, width): True where the student did not sample
+        sampled = batch.sampled  # (rows, width): True where the student sampled the token (not padding)
 
         # 2. the teacher reads the same completions, after its own prompts with --teacher_prompt_field
         teacher_batch = infra.teacher_view(run, batch, args.teacher_prompt_field)
@@ -176,10 +176,10 @@ def main(args):
                 teacher_logprobs = utils.rollout_logprobs(teacher, teacher_batch, args.temperature)
             # --use_vllm: the engine sampled; each token's probability under the trainer over the engine's, truncated or
             # masked (--vllm_importance_sampling_mode), weighs the sampled form's loss
-            if batch.engine_logprobs is not None:
+            if batch.behaviour_logprobs is not None:
                 logprobs = utils.rollout_logprobs(accelerator.unwrap_model(student), batch, args.temperature)
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, unsampled, **args.importance_sampling("token_truncate")
+                    logprobs, batch.behaviour_logprobs, sampled, **args.importance_sampling("token_truncate")
                 )
 
         # 3. update: mini-batches x gradient-accumulation micro-batches, one pass; the loss of each optimiser step is
@@ -187,16 +187,16 @@ def main(args):
         # accumulation average them)
         student.train(args.gradient_checkpointing)
         stats = utils.Stats()
-        row_kl = torch.zeros(len(unsampled), device=run.device)  # each completion's summed sampled-token reverse KL
+        row_kl = torch.zeros(len(sampled), device=run.device)  # each completion's summed sampled-token reverse KL
         sizes = (args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size)
         mini_batches = utils.minibatches(*sizes, device=run.device)
-        step_tokens = torch.stack([(~unsampled[torch.cat(micros)]).sum() for micros in mini_batches]).float()
+        step_tokens = torch.stack([sampled[torch.cat(micros)].sum() for micros in mini_batches]).float()
         step_tokens = run.reduce_sum(step_tokens).clamp(min=1.0) / (args.world_size * args.gradient_accumulation_steps)
         for mb, mini_batch in enumerate(mini_batches):
             for micro in mini_batch:
                 with accelerator.accumulate(student):
-                    mb_loss_mask = ~unsampled[micro]
-                    width = unsampled.shape[1] + 1
+                    mb_loss_mask = sampled[micro]
+                    width = sampled.shape[1] + 1
                     logits = utils.forward_grouped(
                         student,
                         batch.query_responses[micro],
@@ -230,7 +230,7 @@ def main(args):
                     else:
                         mb_teacher_logprobs = teacher_logprobs[micro]
                         per_token_loss = sampled_token_loss(new_logprobs, mb_teacher_logprobs)
-                        if batch.engine_logprobs is not None:  # (sequence_* modes: one weight per row)
+                        if batch.behaviour_logprobs is not None:  # (sequence_* modes: one weight per row)
                             per_token_loss = per_token_loss * is_weight[micro].reshape(len(micro), -1)
                     loss = per_token_loss.masked_fill(~mb_loss_mask, 0.0).sum() / step_tokens[mb]
                     loss = loss + run.ptx_loss(student)  # LightRFT's PTX loss, 0 without --ptx_coef
@@ -240,7 +240,7 @@ def main(args):
                     run.clip_gradients(student)  # --max_grad_norm; stops on a non-finite gradient
                     optimizer.step()
                     optimizer.zero_grad()
-                    run.after_step(student)  # --ema_beta
+                    run.update_ema(student)  # --ema_beta
 
                     # token means over the whole update, on all processes
                     sampled_kl = (new_logprobs - mb_teacher_logprobs).masked_fill(~mb_loss_mask, 0.0)
@@ -254,7 +254,7 @@ def main(args):
 
         # the update's statistics, averaged over the processes as they are written
         stats.add(**{"val/response_length": batch.lengths.float().mean(), "distill/on_policy": float(on_policy(update))})
-        if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's
+        if batch.behaviour_logprobs is not None:  # how far the engine's logprobs are from the trainer's
             stats.add(**vllm_stats)
         # the completions log's "advantage": each completion's negated reverse KL (sampled), summed over its tokens
         # any reward source's score (--reward_fn: not trained on), logged beside

@@ -165,7 +165,7 @@ def main(args):
                     run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
                     optimizer.step()
                     optimizer.zero_grad()
-                    run.after_step(policy)  # --ema_beta
+                    run.update_ema(policy)  # --ema_beta
 
                     stats.add(**{"loss/dpo": loss, **metrics(batch, logprobs, ref)})
         policy.eval()

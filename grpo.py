@@ -115,8 +115,8 @@ class GRPOArgs:
 # the algorithm's flags first, then the model and data, then the rest
 @dataclass
 class Args(
-    infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.RefSyncArgs,
-    GRPOArgs
+    infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.DynamicSamplingArgs, infra.RolloutArgs, infra.DataArgs,
+    infra.RefSyncArgs, GRPOArgs
 ):  # fmt: skip
     """GRPO's flags, then those every script shares (infra/*flags.py): the score's shaping; the model, data and reward
     sources; the rollout; dynamic sampling; the environment (multi-turn episodes); the evaluation; the run (the batch
@@ -274,11 +274,11 @@ def off_policy_keep(advantages, logprobs, behaviour_logprobs, mask, threshold):
 
 
 def main(args):
-    infra.flags.at_least(args, 2, "num_generations")  # (a group's std needs two samples)
-    infra.flags.at_least(args, 1, "num_iterations")
-    infra.flags.at_least(args, 0, "epsilon", "epsilon_high", "beta", "off_policy_mask_threshold", "entropy_target")
-    infra.flags.at_least(args, 0, "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg")
-    infra.flags.at_least(args, 0, "entropy_coef_min", "entropy_coef_delta")
+    infra.at_least(args, 2, "num_generations")  # (a group's std needs two samples)
+    infra.at_least(args, 1, "num_iterations")
+    infra.at_least(args, 0, "epsilon", "epsilon_high", "beta", "off_policy_mask_threshold", "entropy_target")
+    infra.at_least(args, 0, "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg")
+    infra.at_least(args, 0, "entropy_coef_min", "entropy_coef_delta")
     for name in ("ratio_threshold", "delta", "sapo_temperature_pos", "sapo_temperature_neg"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             utils.die(f"--{name} must be positive, got {getattr(args, name)}")
@@ -349,7 +349,7 @@ def main(args):
         # after the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups
         # keep; with --max_staleness N, drawn N updates ago and sampled since, ahead, by the policy of then
         batch = sampler.rollout(sampler.draw, keep=keep if args.dynamic_sampling else None)
-        unsampled = batch.unsampled  # (rows, width): True where the policy did not sample (padding, observations)
+        sampled = batch.sampled  # (rows, width): True where the policy sampled the token (not padding, observations)
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
@@ -361,7 +361,7 @@ def main(args):
             # reference's with --beta
             unwrapped = accelerator.unwrap_model(policy)
             if on_policy:
-                logprobs = torch.full(unsampled.shape, utils.INVALID_LOGPROB, device=run.device)
+                logprobs = torch.full(sampled.shape, utils.INVALID_LOGPROB, device=run.device)
             else:
                 logprobs = utils.rollout_logprobs(unwrapped, batch, args.temperature)
             if args.beta:
@@ -370,7 +370,7 @@ def main(args):
 
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
-            loss_mask = ~unsampled & scored[:, None]  # a completion no reward source scored counts nowhere
+            loss_mask = sampled & scored[:, None]  # a completion no reward source scored counts nowhere
             if args.mask_truncated_completions:
                 loss_mask = loss_mask & batch.contain_eos[:, None]
 
@@ -393,20 +393,20 @@ def main(args):
                 window = 0.0  # --use_adaptive_entropy: the optimiser step's (entropy sum, token count)
                 for micro in mini_batch:
                     with accelerator.accumulate(policy):
-                        mb_unsampled, mb_loss_mask = unsampled[micro], loss_mask[micro]
+                        mb_sampled, mb_loss_mask = sampled[micro], loss_mask[micro]
                         logits = utils.forward_grouped(
                             policy,
                             batch.query_responses[micro],
                             batch.attention_mask[micro],
                             context_length=batch.context_length,
                             group=train_group,
-                            logits_to_keep=unsampled.shape[1] + 1,
+                            logits_to_keep=sampled.shape[1] + 1,
                         )[:, :-1]
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
                         # padding as in the rollout's logprobs: ratio 1 and KL 0 there, never an overflow
-                        new_logprobs = new_logprobs.masked_fill(mb_unsampled, utils.INVALID_LOGPROB)
+                        new_logprobs = new_logprobs.masked_fill(~mb_sampled, utils.INVALID_LOGPROB)
                         if on_policy:  # the policy has not stepped since the rollout: these are its logprobs
                             logprobs[micro] = new_logprobs.detach()
                         # the token-level ratio: GRPO treats each token as an action sharing its completion's advantage;
@@ -418,12 +418,12 @@ def main(args):
                             ratio = torch.exp(logprobs_diff)
                         mb_advantage = advantages[micro][:, None]
                         is_weight = None
-                        if batch.engine_logprobs is not None:  # the engine sampled: each token's (or completion's)
+                        if batch.behaviour_logprobs is not None:  # the engine sampled: each token's (or completion's)
                             # probability under the rollout policy over the engine's, truncated or masked, weighs its loss
                             is_weight, _ = utils.importance_weights(
                                 logprobs[micro],
-                                batch.engine_logprobs[micro],
-                                mb_unsampled,
+                                batch.behaviour_logprobs[micro],
+                                mb_sampled,
                                 **args.importance_sampling("token_truncate"),
                             )
                             is_weight = is_weight.reshape(len(is_weight), -1)  # sequence_*: (rows, 1)
@@ -442,8 +442,9 @@ def main(args):
                             vespo=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
                             is_weight=is_weight,
                         )
-                        if args.off_policy_mask_threshold is not None:  # against the policy that sampled: the engine's
-                            behaviour = logprobs[micro] if batch.engine_logprobs is None else batch.engine_logprobs[micro]
+                        if args.off_policy_mask_threshold is not None:  # against the policy that sampled
+                            behaviour = batch.behaviour_logprobs if batch.behaviour_logprobs is not None else logprobs
+                            behaviour = behaviour[micro]
                             per_token_loss = per_token_loss * off_policy_keep(
                                 mb_advantage, new_logprobs, behaviour, mb_loss_mask, args.off_policy_mask_threshold
                             )
@@ -486,7 +487,7 @@ def main(args):
                         run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
                         optimizer.step()
                         optimizer.zero_grad()
-                        run.after_step(policy)  # --ema_beta
+                        run.update_ema(policy)  # --ema_beta
                         if args.use_adaptive_entropy and accelerator.sync_gradients:  # the next step's coefficient
                             total, count = run.reduce_sum(window).tolist()
                             last = total / max(count, 1.0)
@@ -526,21 +527,21 @@ def main(args):
 
         # the update's statistics, averaged over the processes as they are written; a completion's length is the
         # tokens the policy sampled (an episode's observations not counted, as TRL)
-        lengths = (~unsampled).sum(1)
+        lengths = sampled.sum(1)
         with torch.no_grad():
             stats.add(
                 **{
                     "frac_reward_zero_std": zero_std.float().mean(),
-                    "objective/entropy": (-logprobs).masked_fill(unsampled, 0.0).sum(1).mean(),
+                    "objective/entropy": (-logprobs).masked_fill(~sampled, 0.0).sum(1).mean(),
                     "completions/mean_length": lengths.float().mean(),
                     "val/ratio_var": stats.var("val/ratio"),
                 }
             )
-            if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's (the rollout's)
+            if batch.behaviour_logprobs is not None:  # how far the engine's logprobs are from the trainer's (the rollout's)
                 weighing = args.importance_sampling("token_truncate")
-                stats.add(**utils.importance_weights(logprobs, batch.engine_logprobs, unsampled, **weighing)[1])
+                stats.add(**utils.importance_weights(logprobs, batch.behaviour_logprobs, sampled, **weighing)[1])
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
-                rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(unsampled, 0.0)
+                rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(~sampled, 0.0)
                 stats.add(**{"objective/kl": rollout_kl.sum(1).mean()})
             # TRL's names: the mean score of the batch's scored completions and their std, the lengths' range
             raw = raw_scores.masked_fill(~scored, 0.0)

@@ -208,7 +208,7 @@ def main(args):
         # 1. this process's share of the next prompts (draw); a completion of each, truncated after the stop token, and
         # each reward source's scores; with --max_staleness N, drawn N updates ago and sampled since, by the policy of then
         batch = sampler.rollout(sampler.draw)
-        unsampled, width = batch.unsampled, batch.unsampled.shape[1]  # (rows, width): True past the end
+        sampled, width = batch.sampled, batch.sampled.shape[1]  # (rows, width): False past the end
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
@@ -235,24 +235,24 @@ def main(args):
                     full_kls.append(utils.full_kl(logits, ref_logits, args.temperature))
                 del logits, ref_logits  # (chunk, width, vocab) each: freed before the next chunk allocates its own
             # chunks may stop at different lengths: each padded to the longest
-            logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(unsampled, utils.INVALID_LOGPROB)
-            ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB).masked_fill(unsampled, utils.INVALID_LOGPROB)
+            logprobs = utils.pad_cat(logprobs, utils.INVALID_LOGPROB).masked_fill(~sampled, utils.INVALID_LOGPROB)
+            ref_logprobs = utils.pad_cat(ref_logprobs, utils.INVALID_LOGPROB).masked_fill(~sampled, utils.INVALID_LOGPROB)
             # the values kept (value_mask, below) are the critic's at real tokens, the stop token at most, so they do not
             # depend on the padding and equal the update's vpred; the widest chunks' extra column lies past the batch
             values = utils.pad_cat(values, 0.0)[:, :width]
 
             # 3. KL penalty: per-token estimate (or exact KL) against the reference, zero on padding, in each token's reward
             if kl_estimator == "full":
-                kl = utils.pad_cat(full_kls, 0.0).masked_fill(unsampled, 0.0)
+                kl = utils.pad_cat(full_kls, 0.0).masked_fill(~sampled, 0.0)
             else:
-                kl = utils.kl_estimate(logprobs, ref_logprobs, kl_estimator).masked_fill(unsampled, 0.0)
+                kl = utils.kl_estimate(logprobs, ref_logprobs, kl_estimator).masked_fill(~sampled, 0.0)
             non_score_reward = -kl_coef.value * kl if args.kl_penalty == "reward" else torch.zeros_like(kl)
             # PPO: the score on one token (--score_position), the KL penalty on every token
             rewards, value_mask = place_scores(non_score_reward, scores, batch.lengths, args.score_position)
             rlhf_reward = rewards.sum(1)
             # a completion that no reward source scored takes no part in the update: no value target, no advantage
             value_mask = value_mask & scored[:, None]
-            loss_mask = ~unsampled & scored[:, None]
+            loss_mask = sampled & scored[:, None]
             if args.whiten_rewards:
                 rewards = utils.masked_whiten(rewards, value_mask, False, run.reduce_sum).masked_fill(~value_mask, 0.0)
 
@@ -264,9 +264,9 @@ def main(args):
             # --use_vllm: the engine sampled; each token's (or completion's) probability under the trainer over the
             # engine's, truncated or masked (--vllm_importance_sampling_mode), weighs its policy loss
             is_weight = torch.ones_like(logprobs)
-            if batch.engine_logprobs is not None:
+            if batch.behaviour_logprobs is not None:
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, unsampled, **args.importance_sampling("token_truncate")
+                    logprobs, batch.behaviour_logprobs, sampled, **args.importance_sampling("token_truncate")
                 )
                 is_weight = is_weight.reshape(len(is_weight), -1)  # (rows, width), or (rows, 1) for a completion's
 
@@ -326,7 +326,7 @@ def main(args):
                         run.clip_gradients(model)  # --max_grad_norm; stops on a non-finite gradient
                         optimizer.step()
                         optimizer.zero_grad()
-                        run.after_step(model)  # --ema_beta
+                        run.update_ema(model)  # --ema_beta
 
                         approxkls.append(0.5 * utils.masked_mean(logprobs_diff**2, mb_loss_mask))
                         stats.add(
@@ -353,7 +353,7 @@ def main(args):
             stats.add(
                 **{
                     "objective/kl": kl.sum(1).mean(),
-                    "objective/entropy": (-logprobs).masked_fill(unsampled, 0.0).sum(1).mean(),
+                    "objective/entropy": (-logprobs).masked_fill(~sampled, 0.0).sum(1).mean(),
                     "objective/non_score_reward": non_score_reward.sum(1).mean(),
                     "objective/rlhf_reward": rlhf_reward.mean(),
                     "val/response_length": batch.lengths.float().mean(),
@@ -361,7 +361,7 @@ def main(args):
                     "val/vpred": utils.masked_mean(values, value_mask),
                 }
             )
-            if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's
+            if batch.behaviour_logprobs is not None:  # how far the engine's logprobs are from the trainer's
                 stats.add(**vllm_stats)
             # PPO: the KL coefficient this update used, and whether only the critic learnt (its warm-up)
             metrics = {"lr": lr, **scaler.metrics(), "objective/kl_coef": kl_coef.value}

@@ -136,7 +136,7 @@ def main(args):
                     run.clip_gradients(model)  # --max_grad_norm; stops on a non-finite gradient
                     optimizer.step()
                     optimizer.zero_grad()
-                    run.after_step(model)  # --ema_beta
+                    run.update_ema(model)  # --ema_beta
 
                     stats.add(
                         **{

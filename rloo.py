@@ -67,8 +67,8 @@ class RLOOArgs:
 # the algorithm's flags first, then the model and data, then the rest
 @dataclass
 class Args(
-    infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.GroupArgs, infra.RolloutArgs, infra.DataArgs, infra.RefSyncArgs,
-    RLOOArgs
+    infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.DynamicSamplingArgs, infra.RolloutArgs, infra.DataArgs,
+    infra.RefSyncArgs, RLOOArgs
 ):  # fmt: skip
     """RLOO's flags, then those every script shares (infra/*flags.py): the score's shaping; the model, data and reward
     sources; the rollout; dynamic sampling; the environment (multi-turn episodes); the evaluation; the run (the batch
@@ -152,14 +152,14 @@ def main(args):
         # after the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups
         # keep; with --max_staleness N, drawn N updates ago and sampled since, ahead, by the policy of then
         batch = sampler.rollout(sampler.draw, keep=keep if args.dynamic_sampling else None)
-        unsampled = batch.unsampled  # (rows, width): True where the policy did not sample (padding, observations)
+        sampled = batch.sampled  # (rows, width): True where the policy sampled the token (not padding, observations)
         # the score: the sources' weighted sum less the missing-EOS penalty (utils.score), then scaled and clipped
         raw_scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         scores = scaler(raw_scores, scored)
         if args.reward_clip_range is not None:  # (TRL's)
             scores = scores.clamp(*args.reward_clip_range)
         # --mask_truncated_completions: a completion without its stop token counts no token in the KL and the loss
-        masked = unsampled | ~batch.contain_eos[:, None] if args.mask_truncated_completions else unsampled
+        counted = sampled & batch.contain_eos[:, None] if args.mask_truncated_completions else sampled
 
         # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap: at the
         # first update the policy and the reference then give identical logprobs
@@ -173,9 +173,9 @@ def main(args):
             # --use_vllm: the engine sampled; each completion's probability under the trainer over the engine's,
             # truncated or masked (--vllm_importance_sampling_mode), weighs its loss (RLOO's ratio is the sequence's)
             is_weight = torch.ones_like(scores)
-            if batch.engine_logprobs is not None:
+            if batch.behaviour_logprobs is not None:
                 is_weight, vllm_stats = utils.importance_weights(
-                    logprobs, batch.engine_logprobs, masked, **args.importance_sampling("sequence_truncate")
+                    logprobs, batch.behaviour_logprobs, counted, **args.importance_sampling("sequence_truncate")
                 )
 
             # 3. KL penalty: the per-token estimate (or the exact KL) against the reference, zero on padding, summed
@@ -184,7 +184,7 @@ def main(args):
                 kl = utils.rollout_full_kl(unwrapped, ref_policy, batch, args.temperature)
             else:
                 kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
-            kl = kl.masked_fill(masked, 0.0)
+            kl = kl.masked_fill(~counted, 0.0)
             non_score_reward = -args.kl_coef * kl.sum(1)
             rlhf_reward = scores + non_score_reward
 
@@ -194,7 +194,7 @@ def main(args):
                 std_eps = 1e-4 if args.normalize_advantages else None  # (TRL's: the std plus 1e-4)
                 advantages = utils.masked_whiten(advantages, scored, reduce=run.reduce_sum, std_eps=std_eps)
                 advantages = advantages.masked_fill(~scored, 0)  # (the others keep 0)
-            seq_logprobs = logprobs.masked_fill(masked, 0.0).sum(1)
+            seq_logprobs = logprobs.masked_fill(~counted, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches
         policy.train(args.gradient_checkpointing)
@@ -211,12 +211,12 @@ def main(args):
                             batch.attention_mask[micro],
                             context_length=batch.context_length,
                             group=train_group,
-                            logits_to_keep=unsampled.shape[1] + 1,
+                            logits_to_keep=sampled.shape[1] + 1,
                         )[:, :-1]
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
-                        new_logprobs = new_logprobs.masked_fill(masked[micro], 0.0)
+                        new_logprobs = new_logprobs.masked_fill(~counted[micro], 0.0)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro]
                         ratio = torch.exp(logprobs_diff)
@@ -233,9 +233,9 @@ def main(args):
                         run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
                         optimizer.step()
                         optimizer.zero_grad()
-                        run.after_step(policy)  # --ema_beta
+                        run.update_ema(policy)  # --ema_beta
 
-                        real = ~unsampled[micro]
+                        real = sampled[micro]
                         stats.add(
                             **{
                                 "policy/approxkl_avg": 0.5 * (logprobs_diff**2).mean(),
@@ -257,14 +257,14 @@ def main(args):
         stats.add(
             **{
                 "objective/kl": kl.sum(1).mean(),
-                "objective/entropy": (-logprobs).masked_fill(unsampled, 0.0).sum(1).mean(),
+                "objective/entropy": (-logprobs).masked_fill(~sampled, 0.0).sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.mean(),
                 "objective/rlhf_reward": rlhf_reward.mean(),
-                "val/response_length": (~unsampled).sum(1).float().mean(),  # the policy's tokens (not observations)
+                "val/response_length": sampled.sum(1).float().mean(),  # the policy's tokens (not observations)
                 "val/ratio_var": stats.var("val/ratio"),
             }
         )
-        if batch.engine_logprobs is not None:  # how far the engine's logprobs are from the trainer's
+        if batch.behaviour_logprobs is not None:  # how far the engine's logprobs are from the trainer's
             stats.add(**vllm_stats)
         metrics = {"lr": lr, **scaler.metrics()}
         # metrics.jsonl, TensorBoard, wandb; samples, completions

@@ -282,28 +282,28 @@ def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, con
 # importance weights and group statistics
 
 
-def importance_weights(logprobs, engine_logprobs, unsampled, mode, clip_min=None, clip_max=3.0):
+def importance_weights(logprobs, behaviour_logprobs, sampled, mode, clip_min=None, clip_max=3.0):
     """Importance sampling of an engine's samples (TRL's vllm_importance_sampling_mode; Yao et al. 2025, "Your
     Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the trainer's probability of what the engine
     sampled over the engine's, so that a loss computed as if the trainer had sampled is corrected for the engine
     having sampled. mode token_*: one weight per token (rows, width), 1 on padding; sequence_*: one per completion
     (rows,), the ratio of the completions' probabilities. *_truncate: the ratio clipped to [clip_min, clip_max];
     *_mask: the ratio, or 0 outside [clip_min, clip_max] (a bound None: none). Returns the weights and their metrics:
-    the mean and max |logprob difference| over real tokens, and the fraction of ratios outside the bounds."""
-    real = ~unsampled
-    diff = (logprobs - engine_logprobs).masked_fill(unsampled, 0.0)
+    the mean and max |logprob difference| over the sampled tokens (sampled: (rows, width), True where the policy
+    sampled), and the fraction of ratios outside the bounds."""
+    diff = (logprobs - behaviour_logprobs).masked_fill(~sampled, 0.0)
     level, action = mode.split("_")
     ratio = diff.sum(1).exp() if level == "sequence" else diff.exp()
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     outside = (ratio < low) | (ratio > high)
-    outside = outside if level == "sequence" else outside & real  # a token's: of the real tokens only
-    fraction = outside.float().mean() if level == "sequence" else outside.sum() / real.sum().clamp(min=1)
+    outside = outside if level == "sequence" else outside & sampled  # a token's: of the sampled tokens only
+    fraction = outside.float().mean() if level == "sequence" else outside.sum() / sampled.sum().clamp(min=1)
     weights = ratio.clamp(low, high) if action == "truncate" else ratio.masked_fill(outside, 0.0)
     if level == "token":
-        weights = weights.masked_fill(unsampled, 1.0)
+        weights = weights.masked_fill(~sampled, 1.0)
     stats = {
-        "vllm/logprob_diff_mean": diff.abs().sum() / real.sum().clamp(min=1),
+        "vllm/logprob_diff_mean": diff.abs().sum() / sampled.sum().clamp(min=1),
         "vllm/logprob_diff_max": diff.abs().max(),
         "vllm/capped_fraction": fraction,
     }
@@ -544,7 +544,7 @@ def rollout_logprobs(model, batch, temperature):
         logits = forward_grouped(model, query_response, mask, batch.context_length, batch.group, response.shape[1] + 1)
         logprobs.append(logprobs_from_logits(logits[:, :-1], response, temperature))
         del logits  # (chunk, width, vocab): freed before the next chunk allocates its own
-    return pad_cat(logprobs, INVALID_LOGPROB).masked_fill(batch.unsampled, INVALID_LOGPROB)
+    return pad_cat(logprobs, INVALID_LOGPROB).masked_fill(~batch.sampled, INVALID_LOGPROB)
 
 
 @torch.no_grad()
@@ -560,7 +560,7 @@ def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
             ref_logits = forward_grouped(ref, ref_query, ref_mask, ref_batch.context_length, batch.group, width)[:, :-1]
         kls.append(full_kl(logits, ref_logits, temperature))
         del logits, ref_logits
-    return pad_cat(kls, 0.0).masked_fill(batch.unsampled, 0.0)
+    return pad_cat(kls, 0.0).masked_fill(~batch.sampled, 0.0)
 
 
 def lr_factor(kind, step, total, warmup=0, min_lr_rate=0.0):

@@ -24,7 +24,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 """
 
 from .data import teacher_view
-from .flags import DataArgs, EnvArgs, EvalArgs, GroupArgs, RefSyncArgs, RolloutArgs, json_object
+from .flags import DataArgs, DynamicSamplingArgs, EnvArgs, EvalArgs, RefSyncArgs, RolloutArgs, at_least, json_object
 from .models import load_policy, load_policy_and_critic, prepare
 from .offline import (
     ExampleArgs,
@@ -41,8 +41,9 @@ from .run_flags import RunArgs
 from .tldr import TldrArgs
 
 __all__ = [
-    "DataArgs", "EnvArgs", "EvalArgs", "GroupArgs", "RefSyncArgs", "RolloutArgs", "RunArgs", "TldrArgs", "ExampleArgs",
+    "DataArgs", "EnvArgs", "EvalArgs", "DynamicSamplingArgs", "RefSyncArgs", "RolloutArgs", "RunArgs", "TldrArgs",
+    "ExampleArgs",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
-    "json_object",
+    "json_object", "at_least",
 ]  # fmt: skip

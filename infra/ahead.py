@@ -108,7 +108,7 @@ class Ahead:
                         batch.per_source = batch.per_source()[2]
                 behaviour = logprobs.result()
                 if behaviour is not None:
-                    batch.engine_logprobs = behaviour
+                    batch.behaviour_logprobs = behaviour
                 future.set_result(batch)
             except BaseException as e:  # noqa: BLE001
                 future.set_exception(e)

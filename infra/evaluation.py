@@ -121,9 +121,9 @@ def evaluate(accelerator, model, tokenizer, sources, eval_set, response_length, 
             real = torch.arange(response.shape[1], device=device)[None, :] < lengths[:, None]
             measured = measure(Batch(
                 texts=prompts, index=[i for i in idx for _ in range(repeat)], queries=query, context_length=query.shape[1],
-                responses=response, lengths=lengths, unsampled=~real, query_responses=torch.cat([query, response], 1),
+                responses=response, lengths=lengths, sampled=real, query_responses=torch.cat([query, response], 1),
                 attention_mask=torch.cat([query_mask, real.long()], 1), per_source=per_source, contain_eos=stopped,
-                engine_logprobs=None, max_length=response_length, stats={}, chunk=len(query), group=1, columns=rows,
+                behaviour_logprobs=None, max_length=response_length, stats={}, chunk=len(query), group=1, columns=rows,
             ))  # fmt: skip
         completions = [c.strip() for c in tokenizer.batch_decode(response, skip_special_tokens=True)]
         return completions, lengths, per_source, stopped, measured

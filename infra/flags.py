@@ -308,7 +308,7 @@ class RefSyncArgs(Checked):
 
 
 @dataclass
-class GroupArgs(Checked):
+class DynamicSamplingArgs(Checked):
     """DAPO's dynamic sampling, for the algorithms that sample a group of completions per prompt."""
 
     dynamic_sampling: bool = False

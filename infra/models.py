@@ -1,6 +1,6 @@
-"""Loading models and tokenizers (hub ids, folders, .gguf files and packages), the processes' settings (accelerate,
-DeepSpeed ZeRO-3), the checks of a model the scripts cannot train, and the policy, reference and critic a script
-gets: LoRA, gradient checkpointing, the optimiser, preparation, and saving.
+"""Loading models and tokenizers (hub ids, folders, .gguf files and packages), the checks of a model the scripts cannot
+train, and the policy, reference and critic a script gets: LoRA, gradient checkpointing, a float32 output projection,
+the optimiser, preparation, and saving.
 """
 
 import copy
@@ -165,33 +165,6 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_k
     return tokenizer
 
 
-def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm):
-    """Make an accelerate/DeepSpeed config agree with the script's flags, or stop with one line."""
-    if accelerator.gradient_accumulation_steps != gradient_accumulation_steps:
-        # accelerate lets a config's gradient_accumulation_steps silently override the one passed to Accelerator
-        die(
-            f"the accelerate config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps}; "
-            "remove it and use --gradient_accumulation_steps"
-        )
-    if accelerator.state.deepspeed_plugin is not None:
-        # no dataloader goes through prepare(), so DeepSpeed learns the micro-batch size and the clipping norm here
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        if ds_config.get("gradient_accumulation_steps", "auto") not in ("auto", gradient_accumulation_steps):
-            die("the DeepSpeed config sets gradient_accumulation_steps; remove it and use --gradient_accumulation_steps")
-        ds_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
-        ds_config["gradient_clipping"] = max_grad_norm
-
-
-def process_group_kwargs():
-    """Accelerator's kwargs_handlers: gloo for processes launched without a GPU, where accelerate would pick no backend
-    and count one process while DeepSpeed counts them all (on GPUs accelerate picks NCCL itself)."""
-    if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
-        from accelerate.utils import InitProcessGroupKwargs
-
-        return [InitProcessGroupKwargs(backend="gloo")]
-    return []
-
-
 def zero3(accelerator):
     """True under DeepSpeed ZeRO stage 3 (weights sharded over the processes)."""
     plugin = accelerator.state.deepspeed_plugin
@@ -299,7 +272,7 @@ def load_policy(run, reference=True, reference_kwargs=None):
             else copy.deepcopy(policy)
         )
         ref_policy.eval().requires_grad_(False)
-    return trainable(policy, args), ref_policy
+    return trainable(policy, args), float32_head(ref_policy, args)
 
 
 def load_policy_and_critic(run, value_model_path=None, shared=False):
@@ -331,7 +304,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
             if zero3(accelerator)
             else copy.deepcopy(policy)
         )
-        ref_policy.eval().requires_grad_(False)
+        float32_head(ref_policy.eval().requires_grad_(False), args)
     # the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded anew)
     if rm_critic and not shared:
         critic = (
@@ -357,11 +330,34 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     return model, ref_policy
 
 
+class Float32Head(torch.nn.Linear):
+    """An output projection that computes in float32 outside autocast (--cast_lm_head_to_fp32)."""
+
+    def forward(self, hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def float32_head(model, args):
+    """--cast_lm_head_to_fp32 (ScaleRL's recipe, TRL's name): the output projection's weight in float32, its logits
+    computed in float32 under --bf16's autocast or a bfloat16 model's weights too. As TRL's, refused where the
+    projection is the input embeddings' (tied: casting it would cast them); and under ZeRO-3, which shards it."""
+    if model is None or not getattr(args, "cast_lm_head_to_fp32", False):
+        return model
+    head, name = model.get_output_embeddings(), type(model).__name__
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) or type(head) is not torch.nn.Linear:
+        die(f"--cast_lm_head_to_fp32 needs an output projection of its own (a Linear layer, not tied), which {name} lacks")
+    head.float().__class__ = Float32Head  # (a class, not a closure: a copy of the model computes with its own weight)
+    return model
+
+
 def trainable(policy, args, gradient_checkpointing=True, modules_to_save=None):
     """The policy as it trains: with --use_peft its LoRA adapters on every linear layer, in eval mode (no dropout: the
     sampling policy and the one being trained must be the same function), with --gradient_checkpointing checkpointed
     (transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero);
     modules_to_save: the modules LoRA trains whole (a new score head)."""
+    float32_head(policy, args)
     if args.use_peft:
         try:
             from peft import LoraConfig, get_peft_model

@@ -36,8 +36,8 @@ class Prompts:
 class Batch:
     """An update's completions, k per prompt (row j * k + i is prompt j's i-th; a prompt's rows adjacent), truncated
     after the stop token, and every reward source's scores of them; with --environment, k episodes per prompt. Tensors
-    are (rows, ...): queries (left-padded), responses and unsampled (rows, width), query_responses and attention_mask
-    (rows, context_length + width). unsampled is True on every token the policy did not sample: padding, and an
+    are (rows, ...): queries (left-padded), responses and sampled (rows, width), query_responses and attention_mask
+    (rows, context_length + width). sampled is True on every token the policy sampled: False on padding, and on an
     episode's observations, so that whatever a script masks with it (the loss, the KL, the entropy, the importance
     weights, the statistics) counts the policy's tokens only."""
 
@@ -47,12 +47,12 @@ class Batch:
     context_length: int
     responses: torch.Tensor
     lengths: torch.Tensor  # each completion's tokens, the stop token included (an episode's, observations included)
-    unsampled: torch.Tensor  # True where the policy did not sample the token
+    sampled: torch.Tensor  # True where the policy sampled the token
     query_responses: torch.Tensor
     attention_mask: torch.Tensor
     per_source: torch.Tensor  # (sources, rows): each reward source's reward, NaN where it returned None
     contain_eos: torch.Tensor  # whether it produced the stop token (an episode: whether its last turn did)
-    engine_logprobs: Optional[torch.Tensor]  # --use_vllm: the engine's logprobs of the tokens it sampled
+    behaviour_logprobs: Optional[torch.Tensor]  # the sampler's: an engine's, or a stale copy's (--max_staleness)
     max_length: int  # this update's most tokens per completion
     stats: dict  # --dynamic_sampling's metrics; --environment's
     chunk: int  # the rows the rollout's forward passes take at a time
@@ -126,7 +126,7 @@ class Sampler:
             completions = completions(self.run.update) if callable(completions) else completions
             batch = self.sample(draw(), keep=keep, completions=completions, draw=draw)
         if self.env is not None:
-            batch.stats.update(episode_stats(self.run, batch.info, ~batch.unsampled, batch.lengths))
+            batch.stats.update(episode_stats(self.run, batch.info, batch.sampled, batch.lengths))
         return batch
 
     def sample(self, prompts, keep=None, completions=None, draw=None):
@@ -148,7 +148,7 @@ class Sampler:
                 rows, stats = self.sample_rows(prompts, completions), {}
             batch = self.assemble(rows, prompts.max_length, stats)
             if not self.args.vllm_importance_sampling_correction:  # trained on as if the update's policy had sampled
-                batch.engine_logprobs = None
+                batch.behaviour_logprobs = None
         notify("batch", self, batch)
         return batch
 
@@ -166,12 +166,12 @@ class Sampler:
             context_length=queries.shape[1],
             responses=responses,
             lengths=lengths,
-            unsampled=~rows["policy"][:, :width],
+            sampled=rows["policy"][:, :width],
             query_responses=torch.cat([queries, responses], 1),
             attention_mask=torch.cat([query_mask, real.long()], 1),
             per_source=rows["per_source"],
             contain_eos=rows["contain_eos"],
-            engine_logprobs=rows["engine"][:, :width] if rows["engine"] is not None else None,
+            behaviour_logprobs=rows["engine"][:, :width] if rows["engine"] is not None else None,
             max_length=max_length,
             stats=stats,
             chunk=self.chunk,

@@ -3,6 +3,7 @@ resume, the learning rate, PTX, clipping, EMA, logging, evaluation and checkpoin
 """
 
 import math
+import os
 import random
 import sys
 import time
@@ -19,7 +20,7 @@ from .environments import Environments
 from .evaluation import evaluate, record_eval
 from .flags import json_object
 from .hooks import notify
-from .models import check_accelerate_config, load_tokenizer, process_group_kwargs, save_policy, zero3
+from .models import load_tokenizer, save_policy, zero3
 from .outputs import (
     checkpoint,
     finish,
@@ -151,8 +152,9 @@ class Run:
             if grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)):
                 die(f"non-finite gradient at update {self.update}; last good checkpoint: {self.last_checkpoint}", code=1)
 
-    def after_step(self, model):
-        """--ema_beta: the EMA of the policy's weights takes in each optimiser step."""
+    def update_ema(self, model):
+        """--ema_beta: the EMA of the policy's weights takes in each optimiser step (and the step hook's watchers see
+        it)."""
         if self.ema is not None and self.accelerator.sync_gradients:
             unwrapped = self.accelerator.unwrap_model(model)
             self.ema.update_parameters(getattr(unwrapped, "policy", unwrapped))
@@ -288,6 +290,33 @@ class Run:
             print(tldr.JUDGE.format(output_dir=args.output_dir))
 
 
+def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm):
+    """Make an accelerate/DeepSpeed config agree with the script's flags, or stop with one line."""
+    if accelerator.gradient_accumulation_steps != gradient_accumulation_steps:
+        # accelerate lets a config's gradient_accumulation_steps silently override the one passed to Accelerator
+        die(
+            f"the accelerate config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps}; "
+            "remove it and use --gradient_accumulation_steps"
+        )
+    if accelerator.state.deepspeed_plugin is not None:
+        # no dataloader goes through prepare(), so DeepSpeed learns the micro-batch size and the clipping norm here
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        if ds_config.get("gradient_accumulation_steps", "auto") not in ("auto", gradient_accumulation_steps):
+            die("the DeepSpeed config sets gradient_accumulation_steps; remove it and use --gradient_accumulation_steps")
+        ds_config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
+        ds_config["gradient_clipping"] = max_grad_norm
+
+
+def process_group_kwargs():
+    """Accelerator's kwargs_handlers: gloo for processes launched without a GPU, where accelerate would pick no backend
+    and count one process while DeepSpeed counts them all (on GPUs accelerate picks NCCL itself)."""
+    if "LOCAL_RANK" in os.environ and not torch.cuda.is_available():
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return [InitProcessGroupKwargs(backend="gloo")]
+    return []
+
+
 def start(args, k=1, default_reward="sentiment", examples=None):
     """The run: the processes (accelerate), the batch sizes (into args; k completions per prompt; examples: the rows
     sft.py, reward.py or dpo.py keep, which --num_train_epochs counts; default_reward: the reward source without
@@ -343,6 +372,8 @@ def start(args, k=1, default_reward="sentiment", examples=None):
     # every process would need the whole policy to average it
     if args.ema_beta is not None and zero3(accelerator):
         die("--ema_beta does not work under DeepSpeed ZeRO-3 (the weights are sharded); use ZeRO-2")
+    if getattr(args, "cast_lm_head_to_fp32", False) and zero3(accelerator):  # (the projection sharded as it loads)
+        die("--cast_lm_head_to_fp32 does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if getattr(args, "sync_ref_model", False) and zero3(accelerator):  # (the policy's and reference's shards differ)
         die("--sync_ref_model does not work under DeepSpeed ZeRO-3 yet; use ZeRO-2")
     if zero3(accelerator) and args.use_peft:

@@ -182,6 +182,9 @@ class RunArgs(TrainArgs):
     and with --track a wandb table of each update's"""
     log_unique_prompts: bool = False
     """the wandb table of --log_completions holds each prompt's first completion only (TRL's)"""
+    cast_lm_head_to_fp32: bool = False
+    """the policy's and reference's output projection in float32, its logits computed in float32 under --bf16 too
+    (ScaleRL's recipe; TRL's name): a model whose projection is tied to its input embeddings is refused, as TRL's"""
     ptx_coef: float = 0.0
     """add ptx_coef times the policy's next-token loss on --ptx_dataset texts to each micro-batch's loss (LightRFT's PTX
     loss); 0: off"""

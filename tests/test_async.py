@@ -32,8 +32,8 @@ def recorded_draw(self, index=None):
 infra.rollout.Sampler.draw = recorded_draw
 infra.hooks.WATCH["batch"].append(lambda sampler, batch: record["batches"].append(batch))
 weights = utils.importance_weights
-def recorded_weights(logprobs, engine_logprobs, unsampled, **kw):
-    out = weights(logprobs, engine_logprobs, unsampled, **kw)
+def recorded_weights(logprobs, behaviour_logprobs, sampled, **kw):
+    out = weights(logprobs, behaviour_logprobs, sampled, **kw)
     record["weights"].append((logprobs.clone(), out[0].clone(), kw))
     return out
 utils.importance_weights = recorded_weights
@@ -128,8 +128,8 @@ def test_each_batch_is_sampled_by_the_weights_it_claims_and_weighed_against_them
             assert torch.equal(again[r, :n], batch.responses[r, :n]), (u, r)
             assert stop in again[r, :n] or n == 8
         behaviour = naive_logprobs(model, batch, 1.0)
-        real = ~batch.unsampled
-        torch.testing.assert_close(batch.engine_logprobs[real], behaviour[real], atol=1e-4, rtol=0)
+        real = batch.sampled
+        torch.testing.assert_close(batch.behaviour_logprobs[real], behaviour[real], atol=1e-4, rtol=0)
         at_start = naive_logprobs(weights_of(eos_model_dir, u - 1, out), batch, 1.0)
         torch.testing.assert_close(start[real], at_start[real], atol=1e-4, rtol=0)
         expected = torch.stack([(at_start[r] - behaviour[r])[real[r]].sum().exp().clamp(max=3.0) for r in range(len(real))])
@@ -305,12 +305,12 @@ def test_a_vllm_engine_samples_ahead_with_the_weights_it_claims(tmp_path, tiny_l
     assert [r["async/staleness"] for r in read_metrics(out)] == [0, 1, 2, 2, 2, 2]
     assert [b.version for b in rec["batches"]] == [0, 0, 0, 1, 2, 3]
     for u, (batch, (start, weights, kw)) in enumerate(zip(rec["batches"], rec["weights"]), start=1):
-        real = ~batch.unsampled
+        real = batch.sampled
         behaviour = naive_logprobs(weights_of(tiny_llama_dir, batch.version, out), batch, 1.0)
-        torch.testing.assert_close(batch.engine_logprobs[real], behaviour[real], atol=1e-4, rtol=0)
+        torch.testing.assert_close(batch.behaviour_logprobs[real], behaviour[real], atol=1e-4, rtol=0)
         at_start = naive_logprobs(weights_of(tiny_llama_dir, u - 1, out), batch, 1.0)
         if u - 1 > batch.version:  # the engine had the old weights, not the policy's of the update's start
-            assert (batch.engine_logprobs[real] - at_start[real]).abs().max() > 1e-2, u
+            assert (batch.behaviour_logprobs[real] - at_start[real]).abs().max() > 1e-2, u
         expected = torch.stack([(at_start[r] - behaviour[r])[real[r]].sum().exp().clamp(max=3.0) for r in range(len(real))])
         torch.testing.assert_close(weights, expected.float(), atol=1e-3, rtol=1e-3)
 

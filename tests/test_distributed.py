@@ -322,7 +322,7 @@ sys.path.insert(0, {repo!r})
 import infra
 from accelerate import Accelerator
 
-accelerator = Accelerator(kwargs_handlers=infra.models.process_group_kwargs())
+accelerator = Accelerator(kwargs_handlers=infra.run.process_group_kwargs())
 rank = accelerator.process_index
 stats = {{"loss/policy_avg": torch.tensor(1.0 + rank), "vllm/logprob_diff_max": torch.tensor([0.5, 0.25][rank])}}
 if accelerator.is_main_process:

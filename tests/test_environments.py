@@ -539,14 +539,15 @@ def test_a_trl_environment_class_runs_unchanged_with_the_other_features(run, tmp
 def test_dr_grpos_constant_is_an_episodes_budget(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """Dr. GRPO divides the token sum by the completions x the most tokens of one, an episode's --max_episode_tokens
     (TRL's max_completion_length covers every turn): the same episodes, well within both budgets, give half the loss
-    with twice the budget (an entropy bonus makes the loss more than the rounding of advantages that sum to zero)."""
+    with twice the budget (the policy gradient of the highest-entropy half of the tokens only makes the loss more than
+    the rounding of advantages that sum to zero)."""
     (tmp_path / "envs.py").write_text(ENVS)
     losses = []
     for budget in (64, 128):
         out = tmp_path / f"out{budget}"
         check_ok(run(
             f"grpo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --loss_type dr_grpo"
-            " --entropy_coef 0.1"
+            " --top_entropy_quantile 0.5"
             f" --environment {tmp_path}/envs.py:Echo --stop_token None --response_length 4 --max_episode_tokens {budget}"
             " --total_episodes 16 --num_sample_generations 0 --no_save_model --temperature 1.0"
             f" --output_dir {out}",

@@ -646,3 +646,42 @@ def test_trls_eval_name_sets_ours():
     import grpo
 
     assert grpo.Args(num_generations_eval=3).num_eval_generations == 3
+
+
+def test_the_output_projection_in_float32(run, tmp_path, tiny_tokenizer_dir, tiny_llama_dir, tiny_prompts_file):
+    """--cast_lm_head_to_fp32: under bf16 autocast the logits are float32, the product of the float32 projection with
+    the hidden states (bf16 without the flag); a copy computes with its own weight. grpo.py --bf16 with it trains
+    (policy and reference); a projection tied to the embeddings is refused in one line, as TRL refuses it."""
+    import copy
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import infra
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, len(tokenizer), (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert model(ids).logits.dtype == torch.bfloat16
+        infra.models.float32_head(model, SimpleNamespace(cast_lm_head_to_fp32=True))
+        logits, hidden = model(ids).logits, model.model(ids).last_hidden_state
+        twin = copy.deepcopy(model)
+        twin.lm_head.weight.mul_(2.0)
+        assert torch.equal(model(ids).logits, logits)
+    assert logits.dtype == torch.float32 and model.lm_head.weight.dtype == torch.float32
+    torch.testing.assert_close(logits, torch.nn.functional.linear(hidden.float(), model.lm_head.weight))
+    model.save_pretrained(tmp_path / "untied")
+    tokenizer.save_pretrained(tmp_path / "untied")
+    base = f"grpo.py --dataset_name {tiny_prompts_file} --total_episodes 16 --num_sample_generations 0 --no_save_model"
+    proc = run(f"{base} --model_name_or_path {tmp_path / 'untied'} --bf16 --cast_lm_head_to_fp32 --beta 0.04"
+               f" --output_dir {tmp_path / 'out'}", cwd=tmp_path)  # fmt: skip
+    check_ok(proc)
+    proc = run(f"{base} --model_name_or_path {tiny_llama_dir} --cast_lm_head_to_fp32 --output_dir {tmp_path / 'tied'}",
+               cwd=tmp_path)  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("error: --cast_lm_head_to_fp32 needs an output projection"), last

@@ -31,7 +31,7 @@ def test_importance_weights_match_a_naive_loop(mode, clip_min, clip_max):
     logprobs, engine = -torch.rand(6, 5) * 2, -torch.rand(6, 5) * 2
     padding = torch.zeros(6, 5, dtype=torch.bool)
     padding[1, 3:], padding[3, 1:] = True, True
-    weights, stats = utils.importance_weights(logprobs, engine, padding, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    weights, stats = utils.importance_weights(logprobs, engine, ~padding, mode=mode, clip_min=clip_min, clip_max=clip_max)
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
 

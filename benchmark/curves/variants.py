@@ -15,11 +15,18 @@ clipping, where GSPO differs from GRPO, acts:
     dynamic   --dynamic_sampling (at most 3 generation rounds per update)
     stale1, stale2        --max_staleness 1 and 2: each batch sampled ahead, 1 or 2 updates old, corrected in the loss
     stale2_uncorrected    --max_staleness 2 --no_vllm_importance_sampling_correction: the same batches, unweighed
+    cispo, sapo, vespo    TRL 1.16's other loss types (--loss_type; cispo with --epsilon_high 5, its cap, as ScaleRL)
+    luspo                 --loss_type luspo at the sequence level, with GSPO's clip range (as gspo)
 
 The first three by default; the staleness study:
 
     python benchmark/curves/variants.py --variants grpo stale1 stale2 stale2_uncorrected \
         --out benchmark/results/async/staleness
+
+and TRL 1.16's loss types beside grpo.py's default (dapo):
+
+    python benchmark/curves/variants.py --variants grpo cispo sapo luspo vespo \
+        --out benchmark/results/curves/loss_types_arithmetic
 
 Runs go one after the other; each writes OUT/<variant>/seed<N>/metrics.jsonl, and a complete one is not run again
 (--rerun forces it). Writes OUT/results.json, OUT/results.md (held-out pass@1 before and after, its mean over the
@@ -46,6 +53,11 @@ VARIANTS = {
     "stale1": ["--max_staleness", "1"],
     "stale2": ["--max_staleness", "2"],
     "stale2_uncorrected": ["--max_staleness", "2", "--no_vllm_importance_sampling_correction"],
+    "cispo": ["--loss_type", "cispo", "--epsilon_high", "5"],
+    "sapo": ["--loss_type", "sapo"],
+    "luspo": ["--loss_type", "luspo", "--importance_sampling_level", "sequence", "--epsilon", "3e-4"]
+    + ["--epsilon_high", "4e-4"],
+    "vespo": ["--loss_type", "vespo"],
 }
 K, PROMPTS = 4, 4  # completions per prompt, prompts per update
 
