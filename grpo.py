@@ -55,9 +55,8 @@ class GRPOArgs:
     """subtract entropy_coef times the mean entropy of the micro-batch's counted tokens from its loss, whatever
     --loss_type (TRL 1.16's): a bonus that keeps the policy from collapsing onto one answer; 0: off"""
     use_adaptive_entropy: bool = False
-    """Skywork-OR1's adaptive coefficient (TRL's): after each optimiser step --entropy_coef rises by
-    --entropy_coef_delta if the step's mean entropy was at most --entropy_target, else falls; the bonus applies only
-    while it was"""
+    """Skywork-OR1's adaptive --entropy_coef (TRL's): up by --entropy_coef_delta after each optimiser step whose mean
+    entropy was at most --entropy_target, else down; the bonus applies only while it was (adapted_entropy_coef)"""
     entropy_coef_min: float = 0.0
     """the adaptive coefficient's lower bound"""
     entropy_coef_max: float = 1.0
@@ -68,12 +67,10 @@ class GRPOArgs:
     """the mean token entropy (nats) the adaptive coefficient holds the policy at"""
     top_entropy_quantile: float = 1.0
     """only the tokens whose entropy is in this top fraction of the micro-batch's (all processes') tokens get a policy
-    gradient ("Beyond the 80/20 Rule", Wang et al. 2025, who use 0.2; TRL's name): 1 keeps every token, 0 only the
-    highest-entropy ones"""
+    gradient ("Beyond the 80/20 Rule", Wang et al. 2025, who use 0.2; TRL's name); 1: every token"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: each token's probability ratio to the rollout policy (GRPO); sequence: one ratio per completion, the exp of
-    the mean of its tokens' log-ratios, clipped as a whole, its loss averaged over the completions (GSPO; TRL's name;
-    the paper clips it with --epsilon 3e-4 --epsilon_high 4e-4)"""
+    """token: each token's probability ratio to the rollout policy (GRPO); sequence: one ratio per completion, its tokens'
+    mean log-ratio, clipped as a whole (GSPO, whose paper clips with --epsilon 3e-4 --epsilon_high 4e-4; TRL's name)"""
     epsilon: float = 0.2
     """the lower clip range of the per-token probability ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
@@ -100,11 +97,9 @@ class GRPOArgs:
     ratio_threshold: Optional[float] = None
     """a micro-batch whose mean probability ratio exceeds this contributes no gradient (TRL)"""
     beta: float = 0.0
-    """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's default) loads no reference model
-    (DeepSeekMath used 0.04)"""
+    """the weight of the per-token k3 KL to the reference in the loss; 0 (TRL's) loads no reference (DeepSeekMath: 0.04)"""
     use_bias_correction_kl: bool = True
-    """multiply each token's KL by its probability ratio to the rollout policy, so that its gradient is unbiased off
-    the rollout policy (TRL 1.16's default)"""
+    """weigh each token's KL by its ratio to the rollout policy, so that its gradient is unbiased off it (TRL 1.16's)"""
     mask_truncated_completions: bool = False
     """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
     num_iterations: int = 1
@@ -163,16 +158,13 @@ def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
 
 
 def normalized_sum(per_source, weights, k, reduce=None):
-    """GDPO's advantages (--multi_objective_aggregation normalize_then_sum, as TRL 1.16's): each source's rewards less
-    their group's mean, over their group's unbiased std + 1e-4 (both over the completions it scored), weighted and
-    summed over the sources that scored the completion, then less the global batch's mean, over its unbiased std + 1e-4
-    (reduce: a sum over processes). per_source (sources, prompts * k), NaN where a source gave none. Returns
-    (prompts * k,); a completion no source scored gets 0."""
-    rewards = per_source.T.reshape(-1, k, len(per_source))  # (prompts, k, sources)
-    n = (~rewards.isnan()).sum(1, keepdim=True)
-    deviation = rewards - rewards.nansum(1, keepdim=True) / n.clamp(min=1)
-    std = (deviation.nan_to_num() ** 2).sum(1, keepdim=True).div((n - 1).clamp(min=1)).sqrt()
-    summed, scored = utils.weighted_scores((deviation / (std + 1e-4)).reshape(-1, len(per_source)).T, weights)
+    """GDPO's advantages (--multi_objective_aggregation normalize_then_sum, as TRL 1.16's): each source's group-relative
+    advantage (group_advantages over the completions it scored), weighted and summed over the sources that scored the
+    completion, less the global batch's mean, over its unbiased std + 1e-4 (reduce: a sum over processes). per_source
+    (sources, prompts * k), NaN where a source gave none. Returns (prompts * k,); a completion no source scored gets 0."""
+    valid = ~per_source.isnan()
+    summed = sum(w * group_advantages(r.nan_to_num(), k, "group", v)[0] for w, r, v in zip(weights, per_source, valid))
+    scored = valid.any(0)
     total = torch.stack([summed[scored].sum(), scored.sum().to(summed.dtype)])
     mean = (total if reduce is None else reduce(total)).unbind()
     advantages = (summed - mean[0] / mean[1]) / (batch_std(summed[scored], reduce) + 1e-4)
