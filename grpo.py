@@ -104,6 +104,8 @@ class GRPOArgs:
     """completions that never produced the stop token contribute nothing to the loss (DAPO)"""
     num_iterations: int = 1
     """optimisation passes over each rollout (GRPO's mu); the rollout's logprobs are the old policy's throughout"""
+    router_aux_loss_coef: Optional[float] = None
+    """an MoE policy's router load-balancing loss times this joins the loss (TRL's; None: the model config's own)"""
 
 
 # the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
@@ -270,7 +272,7 @@ def main(args):
     infra.at_least(args, 1, "num_iterations")
     infra.at_least(args, 0, "epsilon", "epsilon_high", "beta", "off_policy_mask_threshold", "entropy_target")
     infra.at_least(args, 0, "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg")
-    infra.at_least(args, 0, "entropy_coef_min", "entropy_coef_delta")
+    infra.at_least(args, 0, "entropy_coef_min", "entropy_coef_delta", "router_aux_loss_coef")
     for name in ("ratio_threshold", "delta", "sapo_temperature_pos", "sapo_temperature_neg"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             utils.die(f"--{name} must be positive, got {getattr(args, name)}")
@@ -300,6 +302,7 @@ def main(args):
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen initial
     # policy, which --beta 0 (the default) never runs, so that none is loaded
     policy, ref_policy = infra.load_policy(run, reference=args.beta > 0)
+    router = infra.router_coef(policy, args.router_aux_loss_coef)  # 0 but for a mixture of experts
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(policy, args.weight_decay)
@@ -393,7 +396,10 @@ def main(args):
                             context_length=batch.context_length,
                             group=train_group,
                             logits_to_keep=sampled.shape[1] + 1,
-                        )[:, :-1]
+                            router=router != 0,  # with an MoE's router loss
+                        )
+                        logits, router_loss = logits if router else (logits, 0.0)
+                        logits = logits[:, :-1]
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
@@ -467,7 +473,8 @@ def main(args):
                         # the loss tokens, as val/ratio (a micro-batch without a loss token has none, and no gradient)
                         skip = args.ratio_threshold is not None and ratio[mb_loss_mask].mean() > args.ratio_threshold
 
-                        loss = pg_loss + run.ptx_loss(policy)  # LightRFT's PTX loss, 0 without --ptx_coef
+                        # an MoE router's load-balancing loss (TRL's); LightRFT's PTX loss, 0 without --ptx_coef
+                        loss = pg_loss + router * router_loss + run.ptx_loss(policy)
                         if args.entropy_coef or args.use_adaptive_entropy:  # TRL's entropy bonus: the mean entropy
                             counted = trained.to(entropy.dtype)  # of the tokens that get a policy gradient
                             coef, last = entropy_ctl.value  # (adaptive: only while the last step's was on target)
@@ -507,6 +514,8 @@ def main(args):
                             stats.add_tokens(trained, **{"entropy/trained": entropy})
                         mb_ratio = ratio[mb_loss_mask].mean() if mb_loss_mask.any() else 1.0
                         stats.add(**{"loss/policy_avg": pg_loss, "val/ratio": mb_ratio})
+                        if router:  # (TRL's name)
+                            stats.add(aux_loss=router_loss)
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
 

@@ -61,6 +61,8 @@ class RLOOArgs:
     """TRL 1.16's name for --cliprange (its RLOO too clips the completion's probability ratio)"""
     num_iterations: Optional[int] = None
     """TRL 1.16's name for --num_ppo_epochs"""
+    router_aux_loss_coef: Optional[float] = None
+    """an MoE policy's router load-balancing loss times this joins the loss (TRL's; None: the model config's own)"""
 
 
 # the bases last-first: a dataclass lists a base's fields after those of the bases named after it, so --help reads
@@ -99,18 +101,15 @@ def trl_names(args):
 
 def main(args):
     trl_names(args)
-    if args.rloo_k < 2:
-        utils.die(
-            f"--rloo_k (--num_generations) must be at least 2 (the leave-one-out baseline needs another), got {args.rloo_k}"
-        )
+    if args.rloo_k < 2:  # (the leave-one-out baseline needs another)
+        utils.die(f"--rloo_k (--num_generations) must be at least 2, got {args.rloo_k}")
     if args.ratio_threshold is not None and args.ratio_threshold <= 0:
         utils.die("--ratio_threshold must be positive")
+    infra.at_least(args, 0, "router_aux_loss_coef")
     epsilon_high = args.cliprange if args.epsilon_high is None else args.epsilon_high
     if args.kl_coef < 0 or args.cliprange < 0 or epsilon_high < 0 or args.num_ppo_epochs < 1:
-        utils.die(
-            "--kl_coef (--beta), --cliprange (--epsilon) and --epsilon_high must be >= 0, --num_ppo_epochs "
-            "(--num_iterations) >= 1"
-        )
+        utils.die("--kl_coef (--beta), --cliprange (--epsilon) and --epsilon_high must be >= 0, --num_ppo_epochs "
+                  "(--num_iterations) >= 1")  # fmt: skip
     if args.reward_clip_range is not None and args.reward_clip_range[0] > args.reward_clip_range[1]:
         utils.die(f"--reward_clip_range must be low high with low <= high, got {args.reward_clip_range}")
     if (args.vllm_importance_sampling_mode or "sequence").startswith("token"):
@@ -119,6 +118,7 @@ def main(args):
     run = infra.start(args, k=args.rloo_k)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen reference
     policy, ref_policy = infra.load_policy(run)
+    router = infra.router_coef(policy, args.router_aux_loss_coef)  # 0 but for a mixture of experts
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(policy, args.weight_decay)
@@ -161,8 +161,7 @@ def main(args):
         # --mask_truncated_completions: a completion without its stop token counts no token in the KL and the loss
         counted = sampled & batch.contain_eos[:, None] if args.mask_truncated_completions else sampled
 
-        # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap: at the
-        # first update the policy and the reference then give identical logprobs
+        # autocast (a no-op without mixed precision) covers the reference too, which accelerate did not wrap
         with torch.no_grad(), accelerator.autocast():
             # 2. logprobs of the distribution sampled from (logits / temperature), the policy's and the reference's
             unwrapped = accelerator.unwrap_model(policy)
@@ -170,8 +169,7 @@ def main(args):
             with utils.reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                 ref_logprobs = utils.rollout_logprobs(ref, batch, args.temperature)
 
-            # --use_vllm: the engine sampled; each completion's probability under the trainer over the engine's,
-            # truncated or masked (--vllm_importance_sampling_mode), weighs its loss (RLOO's ratio is the sequence's)
+            # an engine sampled: each completion's probability, the trainer's over the engine's, weighs its loss
             is_weight = torch.ones_like(scores)
             if batch.behaviour_logprobs is not None:
                 is_weight, vllm_stats = utils.importance_weights(
@@ -212,7 +210,10 @@ def main(args):
                             context_length=batch.context_length,
                             group=train_group,
                             logits_to_keep=sampled.shape[1] + 1,
-                        )[:, :-1]
+                            router=router != 0,  # with an MoE's router loss
+                        )
+                        logits, router_loss = logits if router else (logits, 0.0)
+                        logits = logits[:, :-1]
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
@@ -227,7 +228,8 @@ def main(args):
                         # (its backward still runs, so that every process takes part in each step)
                         skip = args.ratio_threshold is not None and ratio.mean() > args.ratio_threshold
 
-                        loss = pg_loss + run.ptx_loss(policy)  # LightRFT's PTX loss, 0 without --ptx_coef
+                        # an MoE router's load-balancing loss (TRL's); LightRFT's PTX loss, 0 without --ptx_coef
+                        loss = pg_loss + router * router_loss + run.ptx_loss(policy)
                         run.check_finite(loss)
                         accelerator.backward(loss * 0.0 if skip else loss)
                         run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
@@ -243,13 +245,13 @@ def main(args):
                                 "loss/policy_avg": pg_loss,
                                 "policy/entropy_avg": entropy.masked_fill(~real, 0.0).sum() / real.sum(),
                                 "val/ratio": ratio.mean(),
+                                **({"aux_loss": router_loss} if router else {}),
                             }
                         )
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
-                # TR-DPO (TRL's sync_ref_model): every ref_model_sync_steps optimiser steps, the reference moves to the policy
-                steps = ((update - 1) * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb + 1
-                if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:
+                steps = ((update - 1) * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb + 1  # optimiser steps
+                if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:  # TR-DPO: the reference moves
                     utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)
         policy.eval()
 

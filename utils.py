@@ -188,11 +188,12 @@ def packed_mask(config, sees):
     return sees[:, None]
 
 
-def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep, hidden=False):
+def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep, hidden=False, router=False):
     """forward()'s logits at the last logits_to_keep positions (at most the response's length + 1), for rows in groups
     of `group` completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length
     tokens), with the same values and gradients as running every row in full (tested). hidden: the last hidden states
-    there instead (rows, logits_to_keep, hidden size), for a score head (a reward model's).
+    there instead (rows, logits_to_keep, hidden size), for a score head (a reward model's). router: (the logits, an
+    MoE model's router load-balancing loss over every row's real tokens), from every row in full, as TRL's.
 
     Each prompt runs once: a group becomes one packed row, the prompt then each completion, under an attention mask
     that lets a completion see the prompt and itself only, at the positions it would have alone (with k = 4 and
@@ -204,6 +205,9 @@ def forward_grouped(model, query_responses, mask, context_length, group, logits_
     start, seg = context_length - 1, width - context_length + 1
     config = getattr(model, "module", model).config  # (the wrapped model's, under DDP or DeepSpeed)
     out = dict(output_hidden_states=True) if hidden else dict(logits_to_keep=logits_to_keep)
+    if router:  # (packed, a prompt would count once where TRL counts it with each completion)
+        result = forward(model, query_responses, mask, output_router_logits=True, **out)
+        return result.logits, result.aux_loss
     if group == 1 or start < 1 or not can_pack(config, start + group * seg):
         result = forward(model, query_responses, mask, **out)
         return result.hidden_states[-1][:, -logits_to_keep:] if hidden else result.logits

@@ -25,7 +25,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 
 from .data import teacher_view
 from .flags import DataArgs, DynamicSamplingArgs, EnvArgs, EvalArgs, RefSyncArgs, RolloutArgs, at_least, json_object
-from .models import load_policy, load_policy_and_critic, prepare
+from .models import load_policy, load_policy_and_critic, prepare, router_coef
 from .offline import (
     ExampleArgs,
     forward_packed,
@@ -45,5 +45,5 @@ __all__ = [
     "ExampleArgs",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
-    "json_object", "at_least",
+    "json_object", "at_least", "router_coef",
 ]  # fmt: skip

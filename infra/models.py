@@ -330,6 +330,17 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     return model, ref_policy
 
 
+def router_coef(model, coef):
+    """TRL's router_aux_loss_coef for this policy, its MoE router's load-balancing loss's weight in the update's loss
+    (None: its config's coefficient, 0 without one); one for a model without a router is refused in one line"""
+    config = model.config.get_text_config()
+    if not hasattr(config, "output_router_logits"):
+        if coef:
+            die(f"--router_aux_loss_coef: {type(model).__name__} is not a mixture of experts with a router loss")
+        return 0.0
+    return (getattr(config, "router_aux_loss_coef", None) or 0.0) if coef is None else coef
+
+
 class Float32Head(torch.nn.Linear):
     """An output projection that computes in float32 outside autocast (--cast_lm_head_to_fp32)."""
 
@@ -340,9 +351,8 @@ class Float32Head(torch.nn.Linear):
 
 
 def float32_head(model, args):
-    """--cast_lm_head_to_fp32 (ScaleRL's recipe, TRL's name): the output projection's weight in float32, its logits
-    computed in float32 under --bf16's autocast or a bfloat16 model's weights too. As TRL's, refused where the
-    projection is the input embeddings' (tied: casting it would cast them); and under ZeRO-3, which shards it."""
+    """--cast_lm_head_to_fp32 (ScaleRL's recipe, TRL's name): the output projection in float32, its logits computed in
+    float32 under --bf16's autocast or a bfloat16 model too; refused, as TRL's, where tied to the input embeddings."""
     if model is None or not getattr(args, "cast_lm_head_to_fp32", False):
         return model
     head, name = model.get_output_embeddings(), type(model).__name__

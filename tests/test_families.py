@@ -450,3 +450,37 @@ def test_grpo_trains_gpt_neo_and_rloo_refuses_mamba(run, tmp_path, tiny_tokenize
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert last.startswith("error: mamba models keep a recurrent state"), last
     assert not os.path.exists(tmp_path / "rloo" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+def test_a_mixture_of_experts_trains_with_its_router_loss(script, run, tmp_path, tiny_tokenizer_dir, tiny_prompts_file):
+    """TRL's router_aux_loss_coef: a mixture of experts adds its router's load-balancing loss (logged as aux_loss)
+    times the coefficient, by default its config's (Mixtral's 0.001), to the loss: with 5 the first update's metrics
+    are those with 0, which turns it off (one rollout, one step after it), and the second's differ (the router loss
+    moved the weights). A coefficient for a model without a router is refused in one line."""
+    from test_rloo import VOWELS, check_ok, read_metrics
+    from transformers import AutoTokenizer, MixtralConfig
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    moe = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab, **LLAMA_LIKE)
+    moe_dir = save_family(moe, tiny_tokenizer_dir, tmp_path / "moe")
+    (tmp_path / "reward.py").write_text(VOWELS)
+    k = "--num_generations 4" if script == "grpo.py" else "--rloo_k 4"
+    common = (
+        f"{script} {k} --dataset_name {tiny_prompts_file} --total_episodes 32 --per_device_train_batch_size 8"
+        f" --gradient_accumulation_steps 2 --response_length 8 --num_sample_generations 0 --no_save_model"
+        f" --reward_fn {tmp_path}/reward.py:vowels --learning_rate 3e-2 --temperature 1.0 --model_name_or_path"
+    )
+    rows = {}
+    for name, flags in [("default", ""), ("off", "--router_aux_loss_coef 0"), ("five", "--router_aux_loss_coef 5")]:
+        check_ok(run(f"{common} {moe_dir} {flags} --output_dir {tmp_path / name}", cwd=tmp_path))
+        rows[name] = [{k: v for k, v in row.items() if k != "eps"} for row in read_metrics(tmp_path / name)]
+    assert 1.5 < rows["default"][0]["aux_loss"] < 3 and "aux_loss" not in rows["off"][0]
+    # (the update's pass runs every row in full with the router loss, packed without: the ratio differs by rounding)
+    assert rows["five"][0].pop("aux_loss") == rows["default"][0]["aux_loss"]
+    assert rows["five"][0] == pytest.approx(rows["off"][0], abs=1e-6)
+    assert rows["five"][1]["objective/scores"] != rows["off"][1]["objective/scores"]
+    dense = save_family(tf.LlamaConfig(vocab_size=vocab, **LLAMA_LIKE), tiny_tokenizer_dir, tmp_path / "dense")
+    proc = run(f"{common} {dense} --router_aux_loss_coef 0.1 --output_dir {tmp_path / 'refused'}", cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("error: --router_aux_loss_coef: LlamaForCausalLM is not"), last

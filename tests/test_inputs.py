@@ -31,6 +31,7 @@ ALLOWED = {
     "vespo_k_pos": [0.0], "vespo_k_neg": [0.0], "vespo_lambda_pos": [0.0], "vespo_lambda_neg": [0.0],
     "max_tool_calling_iterations": [0], "num_generations_eval": [0], "ref_model_mixup_alpha": [0.0],
     "entropy_coef_min": [0.0], "entropy_coef_max": [0.0], "entropy_coef_delta": [0.0], "entropy_target": [0.0],
+    "router_aux_loss_coef": [0.0],
 }  # fmt: skip
 ALLOWED_IN = {("dpo.py", "beta"): []}  # (DPO's beta divides: it must be positive)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
