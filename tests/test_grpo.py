@@ -586,45 +586,42 @@ def test_adaptive_entropy_and_the_reference_sync_as_a_user_runs_them(run, tmp_pa
     --sync_ref_model with alpha 1 every step: the reference is the policy after each step, so the next rollout's KL to
     it is zero, where without the sync it is not."""
     base = (
-        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 64"
-        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --num_mini_batches 2 --response_length 8"
+        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 32 --beta 0.04"
+        " --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --num_mini_batches 2 --response_length 8"
         " --learning_rate 3e-2 --temperature 1.0 --no_save_model"
     )
     rows = {}
     for name, flags in [
         ("adaptive", "--use_adaptive_entropy --entropy_target 100 --entropy_coef_delta 0.01"),
         ("gated", "--use_adaptive_entropy --entropy_target 0 --entropy_coef 0.5 --entropy_coef_min 0.5 --entropy_coef_max 1"),
-        ("plain", ""),
+        ("sync", "--sync_ref_model --ref_model_sync_steps 1 --ref_model_mixup_alpha 1"),
+        ("none", ""),
     ]:
         check_ok(run(f"{base} {flags} --output_dir {tmp_path / name}", cwd=tmp_path))
         rows[name] = [{k: v for k, v in row.items() if k != "eps"} for row in read_metrics(tmp_path / name)]
     assert [row["entropy_coef"] for row in rows["adaptive"]] == pytest.approx([0.02, 0.04])
     # the entropy never at most the target: the coefficient stays at its floor, and the bonus never applies
-    assert [row.pop("entropy_coef") for row in rows["gated"]] == [0.5, 0.5] and rows["gated"] == rows["plain"]
-    kl = {}
-    for name, flags in [("sync", "--sync_ref_model --ref_model_sync_steps 1 --ref_model_mixup_alpha 1"), ("none", "")]:
-        out = tmp_path / name
-        check_ok(run(f"{base} --beta 0.04 {flags} --output_dir {out}", cwd=tmp_path))
-        kl[name] = [row["objective/kl"] for row in read_metrics(out)]
+    assert [row.pop("entropy_coef") for row in rows["gated"]] == [0.5, 0.5] and rows["gated"] == rows["none"]
+    kl = {name: [row["objective/kl"] for row in rows[name]] for name in ("sync", "none")}
     assert kl["sync"][0] == kl["none"][0] == 0.0  # the first rollout: the reference is the initial policy
     assert abs(kl["sync"][1]) < 1e-5 and kl["none"][1] > 1e-3, kl
 
 
 def test_trls_batch_names_and_the_printed_samples(run, tmp_path, eos_model_dir, tiny_prompts_file, monkeypatch):
-    """--steps_per_generation 4 (micro-batches per rollout) and --generation_batch_size 32 (a rollout's completions)
+    """--steps_per_generation 4 (micro-batches per rollout) and --generation_batch_size 16 (a rollout's completions)
     are --num_mini_batches 2 at --gradient_accumulation_steps 2 (TRL's arithmetic); --num_completions_to_print sets the
     rows of the sample table."""
     monkeypatch.setenv("COLUMNS", "200")
     base = (
-        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 64"
-        " --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --response_length 8 --temperature 1.0"
+        f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 32"
+        " --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --response_length 8 --temperature 1.0"
         " --no_save_model --num_sample_generations 1"
     )
     rows, tables = {}, {}
     for name, flags in [
         ("mini", "--num_mini_batches 2 --num_completions_to_print 1"),
         ("steps", "--steps_per_generation 4 --num_completions_to_print 3"),
-        ("size", "--generation_batch_size 32"),
+        ("size", "--generation_batch_size 16"),
     ]:
         proc = run(f"{base} {flags} --output_dir {tmp_path / name}", cwd=tmp_path)
         check_ok(proc)
@@ -639,7 +636,7 @@ def test_trls_batch_names_and_the_printed_samples(run, tmp_path, eos_model_dir, 
         dataset = [json.loads(line)["prompt"] for line in f]
     with open(out / "completions.jsonl") as f:
         logged = [json.loads(line)["prompt"] for line in f]
-    assert logged == [p for p in dataset[:16] for _ in range(4)]
+    assert logged == [p for p in dataset[:8] for _ in range(4)]
 
 
 def test_trls_eval_name_sets_ours():
