@@ -130,7 +130,7 @@ def batch_std(values, reduce=None):
     squares = ((values - mean) ** 2).sum()
     if reduce is not None:
         squares = reduce(squares)
-    return (squares / (n - 1)).sqrt()
+    return (squares / (n - 1).clamp(min=1.0)).sqrt()  # (one value: 0, as a group of one)
 
 
 def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
@@ -295,8 +295,6 @@ def main(args):
     if gdpo and (args.missing_eos_penalty is not None or args.use_score_scaling or args.score_clip is not None):
         utils.die("--missing_eos_penalty, --use_score_scaling and --score_clip shape the sources' sum, which "
                   "--multi_objective_aggregation normalize_then_sum does not use")  # fmt: skip
-    if args.sync_ref_model and args.beta == 0:
-        utils.die("--sync_ref_model updates the reference, which --beta 0 does not load: give --beta > 0")
     k = args.num_generations  # completions per prompt
     run = infra.start(args, k=args.num_generations)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen initial
@@ -319,9 +317,12 @@ def main(args):
     accelerator.register_for_checkpointing(scaler)
     # the entropy bonus's coefficient and the last optimiser step's entropy (--use_adaptive_entropy; none yet)
     entropy_ctl = infra.CheckpointedNumber((args.entropy_coef, math.inf))
-    accelerator.register_for_checkpointing(entropy_ctl)
+    if args.use_adaptive_entropy:
+        accelerator.register_for_checkpointing(entropy_ctl)
 
     def keep(batch):  # --dynamic_sampling (DAPO): the groups whose scores, clipped as the advantages see them, differ
+        if gdpo:  # (GDPO's advantages: those where any one source's scores differ)
+            return torch.stack([utils.distinct_groups(r.nan_to_num(), ~r.isnan(), k) for r in batch.per_source]).any(0)
         scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         return utils.distinct_groups(utils.ScoreScaler(clip=args.score_clip)(scores, scored), scored, k)
 

@@ -146,7 +146,7 @@ def reference_model(policy, ref_policy):
 @torch.no_grad()
 def sync_reference(ref_policy, policy, alpha):
     """TR-DPO's reference update (Gorbatovski et al. 2024, TRL's sync_ref_model): ref <- alpha policy + (1 - alpha) ref"""
-    for ref, param in zip(ref_policy.parameters(), policy.parameters()):
+    for ref, param in zip(ref_policy.parameters(), policy.parameters(), strict=True):
         ref.lerp_(param.to(ref.dtype), alpha)
 
 

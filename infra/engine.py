@@ -65,11 +65,12 @@ def vllm_engine(accelerator, args, policy, sampling=None, tokenizer=None):
     if getattr(args, "environment", None):
         positions = getattr(config.get_text_config(), "max_position_embeddings", None)
         context = min(args.max_prompt_length + args.max_episode_tokens, positions or math.inf)
-    if args.vllm_max_model_length is not None:  # (a longer one only takes memory; a shorter one would cut completions)
-        if args.vllm_max_model_length < context:
-            die(f"--vllm_max_model_length {args.vllm_max_model_length} is less than the {context} tokens a prompt and its"
-                " completion may take (--max_prompt_length and --response_length): lower those instead")  # fmt: skip
-        context = args.vllm_max_model_length
+    length = getattr(args, "vllm_max_model_length", None)  # (a longer one only takes memory; a shorter one would cut)
+    if length is not None:
+        if length < context:
+            die(f"--vllm_max_model_length {length} is less than the {context} tokens a prompt and its completion may take"
+                " (--max_prompt_length and --response_length): lower those instead")  # fmt: skip
+        context = length
     config.architectures = [type(base).__name__]  # (a model built from a config has none): the engine's model class
     # vLLM seeds the random, numpy and torch streams of the process it starts in (and its checks below draw from them):
     # the run's own are kept as they were (each process's, from setup)
@@ -78,7 +79,7 @@ def vllm_engine(accelerator, args, policy, sampling=None, tokenizer=None):
     with tempfile.TemporaryDirectory() as folder, torch.random.fork_rng(devices=devices), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (vLLM's own use of deprecated torch names)
         config.save_pretrained(folder)
-        regex = args.vllm_structured_outputs_regex
+        regex = getattr(args, "vllm_structured_outputs_regex", None)
         if regex is not None:
             tokenizer.save_pretrained(folder)
         engine = vllm_or_die(
@@ -95,7 +96,7 @@ def vllm_engine(accelerator, args, policy, sampling=None, tokenizer=None):
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             enforce_eager=args.vllm_enforce_eager,
-            model_impl=args.vllm_model_impl,
+            model_impl=getattr(args, "vllm_model_impl", "vllm"),
             distributed_executor_backend=backend,
         )
         check_vllm_engine(engine, config.model_type)

@@ -304,6 +304,9 @@ class RefSyncArgs(Checked):
             die(f"--ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
         if self.sync_ref_model and getattr(self, "use_peft", False):  # (the reference is the policy without adapters)
             die("--sync_ref_model needs a reference of its own, which --use_peft does not load (as TRL)")
+        weight = getattr(self, "beta", None)  # (grpo.py's; rloo.py's alias of --kl_coef)
+        if self.sync_ref_model and (weight if weight is not None else getattr(self, "kl_coef", 1.0)) == 0:
+            die("--sync_ref_model updates the reference, which a KL weight of 0 (--beta, --kl_coef) does not use (as TRL)")
         super().__post_init__()
 
 

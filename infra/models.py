@@ -272,7 +272,7 @@ def load_policy(run, reference=True, reference_kwargs=None):
             else copy.deepcopy(policy)
         )
         ref_policy.eval().requires_grad_(False)
-    return trainable(policy, args), float32_head(ref_policy, args)
+    return trainable(policy, args), float32_head(ref_policy, args) if teacher is None else ref_policy
 
 
 def load_policy_and_critic(run, value_model_path=None, shared=False):
@@ -331,14 +331,12 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
 
 
 def router_coef(model, coef):
-    """TRL's router_aux_loss_coef for this policy, its MoE router's load-balancing loss's weight in the update's loss
-    (None: its config's coefficient, 0 without one); one for a model without a router is refused in one line"""
+    """TRL's router_aux_loss_coef: the weight of an MoE policy's router loss (None: its config's; refused if dense)"""
     config = model.config.get_text_config()
-    if not hasattr(config, "output_router_logits"):
-        if coef:
-            die(f"--router_aux_loss_coef: {type(model).__name__} is not a mixture of experts with a router loss")
-        return 0.0
-    return (getattr(config, "router_aux_loss_coef", None) or 0.0) if coef is None else coef
+    if coef and not hasattr(config, "output_router_logits"):
+        die(f"--router_aux_loss_coef: {type(model).__name__} is not a mixture of experts with a router loss")
+    own = (getattr(config, "router_aux_loss_coef", None) or 0.0) if hasattr(config, "output_router_logits") else 0.0
+    return own if coef is None else coef
 
 
 class Float32Head(torch.nn.Linear):
@@ -355,9 +353,9 @@ def float32_head(model, args):
     float32 under --bf16's autocast or a bfloat16 model too; refused, as TRL's, where tied to the input embeddings."""
     if model is None or not getattr(args, "cast_lm_head_to_fp32", False):
         return model
-    head, name = model.get_output_embeddings(), type(model).__name__
+    head = model.get_output_embeddings()
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False) or type(head) is not torch.nn.Linear:
-        die(f"--cast_lm_head_to_fp32 needs an output projection of its own (a Linear layer, not tied), which {name} lacks")
+        die(f"--cast_lm_head_to_fp32 needs an output projection of its own (untied), which {type(model).__name__} lacks")
     head.float().__class__ = Float32Head  # (a class, not a closure: a copy of the model computes with its own weight)
     return model
 
@@ -404,15 +402,17 @@ def prepare(run, model, optimizer, frozen=None):
         )
         run.ema.update_parameters(policy)  # the first call copies: the average starts here
         accelerator.register_for_checkpointing(run.ema)
-    return model, optimizer, prepare_frozen(accelerator, frozen)
+    frozen = prepare_frozen(accelerator, frozen)
+    if getattr(args, "sync_ref_model", False):  # TR-DPO's reference moves with the policy: a checkpoint holds it
+        accelerator.register_for_checkpointing(frozen)
+    return model, optimizer, frozen
 
 
 def save_policy(accelerator, model, args):
-    """The trained policy to output_dir: its weights (under ZeRO-3 gathered on the main process), or with LoRA the
-    adapters alone (peft's PeftModel.from_pretrained(base, output_dir); a reward model's rule in reward_input.json) or
-    merged (--merge_lora); PPO's module saves
-    its critic to output_dir/critic (a sequence-classification model, which --value_model_path loads) or its value
-    head to value_head.safetensors."""
+    """The trained policy to output_dir: its weights (under ZeRO-3 gathered on the main process), or with LoRA the adapters
+    alone (peft's PeftModel.from_pretrained(base, output_dir); a reward model's rule in reward_input.json) or merged
+    (--merge_lora); PPO's module saves its critic to output_dir/critic (a sequence-classification model, which
+    --value_model_path loads) or its value head to value_head.safetensors."""
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model) or {}
     unwrapped = accelerator.unwrap_model(model)

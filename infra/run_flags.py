@@ -202,6 +202,8 @@ class RunArgs(TrainArgs):
         at_least(self, 1, "steps_per_generation", "generation_batch_size", "num_completions_to_print")
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
             die("give --steps_per_generation or --generation_batch_size, not both (one sets the other, as TRL's)")
+        if (self.steps_per_generation or self.generation_batch_size) and self.num_mini_batches != 1:
+            die("--steps_per_generation and --generation_batch_size set --num_mini_batches: give one of them")
         if self.ptx_coef > 0 and not self.ptx_dataset:
             die("--ptx_coef needs --ptx_dataset (a hub id or a local .jsonl/.json/.parquet/.csv file of texts)")
         if self.ptx_max_length is not None and self.ptx_max_length < 2:

@@ -446,8 +446,8 @@ def record(sampler, batch):
 infra.hooks.WATCH["episodes"].append(record_episodes)
 infra.hooks.WATCH["batch"].append(record)
 forward_grouped = utils.forward_grouped
-def doubled(model, query_responses, mask, context_length, group, logits_to_keep):
-    logits = forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep)
+def doubled(model, query_responses, mask, context_length, group, logits_to_keep, **kwargs):
+    logits = forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep, **kwargs)
     if os.environ.get("DOUBLE") and batches:
         batch = batches[-1]
         width = query_responses.shape[1] - context_length

@@ -37,7 +37,9 @@ def test_kill_then_resume_gives_the_uninterrupted_metrics(script, run, tmp_path,
     extra = ""
     if script == "grpo.py":  # the sentiment of random text is 0 for every completion: GRPO would have nothing to learn
         (tmp_path / "reward.py").write_text(VOWELS)
-        extra = f"--reward_fn {tmp_path}/reward.py:vowels"
+        extra = f"--reward_fn {tmp_path}/reward.py:vowels --beta 0.04 --use_adaptive_entropy --entropy_target 100"
+    if script in ("grpo.py", "rloo.py"):  # the reference moves with the policy (every third step): a checkpoint holds it
+        extra += " --sync_ref_model --ref_model_sync_steps 3 --ref_model_mixup_alpha 0.5"
     extra += " --log_completions"
     full = tmp_path / "full"
     check_ok(run(command(script, tiny_model_dir, tiny_prompts_file, full, extra), cwd=tmp_path))

@@ -237,30 +237,19 @@ def test_bf16_and_gradient_checkpointing_run_with_vllm(run, tmp_path, tiny_llama
 
 
 @needs_vllm
-def test_transformers_model_in_the_engine(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
-    """--vllm_model_impl transformers: vLLM runs transformers' model, given the policy's weights as its own: the
-    engine's logprobs are the trainer's (fp32), and the engine's context is --vllm_max_model_length's"""
-    (tmp_path / "reward.py").write_text(VOWELS)
-    extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 16 --no_save_model"
-    proc = run(vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, tmp_path / "out",
-                            f"{extra} --num_iterations 2 --vllm_model_impl transformers --vllm_max_model_length 200"),
-               cwd=tmp_path)  # fmt: skip
-    check_ok(proc)
-    assert "model_impl transformers, max_model_len 200)" in proc.stdout, proc.stdout[-2000:]
-    (row,) = read_metrics(tmp_path / "out")
-    assert row["vllm/logprob_diff_mean"] < 1e-4 and row["vllm/logprob_diff_max"] < 1e-3, row
-
-
-@needs_vllm
-def test_completions_match_the_structured_outputs_regex(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
-    """--vllm_structured_outputs_regex: every completion the engine draws is the regex's (up to --response_length)"""
+def test_transformers_model_and_structured_outputs_in_the_engine(run, tmp_path, tiny_llama_dir, tiny_prompts_file):
+    """--vllm_model_impl transformers: vLLM runs transformers' model, given the policy's weights as its own (the
+    engine's start checks its logprobs against the trainer's), with --vllm_max_model_length's context; with
+    --vllm_structured_outputs_regex every completion the engine draws is the regex's (up to --response_length)"""
     import re
 
     (tmp_path / "reward.py").write_text(VOWELS)
     extra = f"--reward_fn {tmp_path}/reward.py:vowels --total_episodes 32 --per_device_train_batch_size 16 --no_save_model"
+    extra += " --log_completions --vllm_model_impl transformers --vllm_max_model_length 200"
     proc = run(vllm_command("grpo.py", tiny_llama_dir, tiny_prompts_file, tmp_path / "out",
-                            f"{extra} --log_completions --vllm_structured_outputs_regex '[ab]+'"), cwd=tmp_path)  # fmt: skip
+                            f"{extra} --vllm_structured_outputs_regex '[ab]+'"), cwd=tmp_path)  # fmt: skip
     check_ok(proc)
+    assert "model_impl transformers, max_model_len 200)" in proc.stdout, proc.stdout[-2000:]
     with open(tmp_path / "out" / "completions.jsonl") as f:
         completions = [json.loads(line)["completion"] for line in f]
     assert len(completions) == 32 and all(re.fullmatch("[ab]+", c) for c in completions), completions[:4]
