@@ -120,8 +120,8 @@ class Args(
     and its optimiser, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
 
-def batch_std(values, reduce=None):
-    """The unbiased standard deviation of values (n,) over the global batch: reduce, e.g.
+def batch_moments(values, reduce=None):
+    """The mean and the unbiased standard deviation of values (n,) over the global batch: reduce, e.g.
     partial(accelerator.reduce, reduction="sum"), sums the statistics over processes."""
     sums = torch.stack([values.sum(), torch.tensor(float(values.numel()), device=values.device)])
     if reduce is not None:
@@ -130,12 +130,12 @@ def batch_std(values, reduce=None):
     squares = ((values - mean) ** 2).sum()
     if reduce is not None:
         squares = reduce(squares)
-    return (squares / (n - 1).clamp(min=1.0)).sqrt()  # (one value: 0, as a group of one)
+    return mean, (squares / (n - 1).clamp(min=1.0)).sqrt()  # (one value: std 0, as a group of one)
 
 
 def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
     """GRPO: each completion's score minus the mean score of its prompt's k completions, divided by the std of those k
-    scores (group), of the global batch's scores (batch; reduce sums over processes, see batch_std) or by nothing
+    scores (group), of the global batch's scores (batch; reduce sums over processes, see batch_moments) or by nothing
     (none), plus 1e-4. Both stds are unbiased (Bessel's correction), as TRL's nanstd.
 
     scores and scored are (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j). A
@@ -154,7 +154,7 @@ def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
         std = ((advantages**2 * w).sum(1, keepdim=True) / (n - 1).clamp(min=1.0)).sqrt()
         advantages = advantages / (std + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (batch_std(scores[valid.flatten()], reduce) + 1e-4)
+        advantages = advantages / (batch_moments(scores[valid.flatten()], reduce)[1] + 1e-4)
     advantages = advantages.masked_fill(zero_std | ~valid, 0.0)
     return advantages.flatten(), zero_std.expand_as(grouped).flatten()
 
@@ -167,9 +167,8 @@ def normalized_sum(per_source, weights, k, reduce=None):
     valid = ~per_source.isnan()
     summed = sum(w * group_advantages(r.nan_to_num(), k, "group", v)[0] for w, r, v in zip(weights, per_source, valid))
     scored = valid.any(0)
-    total = torch.stack([summed[scored].sum(), scored.sum().to(summed.dtype)])
-    mean = (total if reduce is None else reduce(total)).unbind()
-    advantages = (summed - mean[0] / mean[1]) / (batch_std(summed[scored], reduce) + 1e-4)
+    mean, std = batch_moments(summed[scored], reduce)
+    advantages = (summed - mean) / (std + 1e-4)
     return advantages.masked_fill(~scored, 0.0)
 
 
@@ -552,7 +551,7 @@ def main(args):
             metrics = {"lr": lr, **scaler.metrics(), "reward": total / max(count, 1.0)}
             if args.entropy_coef or args.use_adaptive_entropy:
                 metrics["entropy_coef"] = entropy_ctl.value[0]
-            metrics["reward_std"] = batch_std(raw_scores[scored], run.reduce_sum).item()
+            metrics["reward_std"] = batch_moments(raw_scores[scored], run.reduce_sum)[1].item()
             metrics.update({"completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
         # metrics.jsonl, TensorBoard, wandb; samples, completions
         run.log(update, batch, stats, advantages, scores=raw_scores, scored=scored, **metrics)
