@@ -46,17 +46,13 @@ class GRPOArgs:
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
     loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]] = None
-    """the per-token loss and its aggregation, TRL 1.16's (policy_loss, aggregate_loss, docs/algorithms.md). None: dapo,
-    as TRL 1.16, or with --importance_sampling_level sequence grpo, GSPO's mean over completions"""
+    """the per-token loss and its aggregation (TRL 1.16's; docs/algorithms.md). None: dapo, or grpo under GSPO"""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """with several reward sources: their weighted sum's advantage (--scale_rewards), or GDPO's: each source's scores
-    normalised in their group, then weighted and summed, then normalised over the batch (TRL's)"""
+    """several reward sources: their weighted sum's advantage, or GDPO's (normalized_sum, TRL's)"""
     entropy_coef: float = 0.0
-    """subtract entropy_coef times the mean entropy of the micro-batch's counted tokens from its loss, whatever
-    --loss_type (TRL 1.16's): a bonus that keeps the policy from collapsing onto one answer; 0: off"""
+    """minus this times the mean entropy of the tokens that get a policy gradient joins the loss (TRL 1.16's)"""
     use_adaptive_entropy: bool = False
-    """Skywork-OR1's adaptive --entropy_coef (TRL's): up by --entropy_coef_delta after each optimiser step whose mean
-    entropy was at most --entropy_target, else down; the bonus applies only while it was (adapted_entropy_coef)"""
+    """Skywork-OR1's adaptive --entropy_coef (TRL's: adapted_entropy_coef), the bonus on while below the target"""
     entropy_coef_min: float = 0.0
     """the adaptive coefficient's lower bound"""
     entropy_coef_max: float = 1.0
@@ -66,19 +62,15 @@ class GRPOArgs:
     entropy_target: float = 0.2
     """the mean token entropy (nats) the adaptive coefficient holds the policy at"""
     top_entropy_quantile: float = 1.0
-    """only the tokens whose entropy is in this top fraction of the micro-batch's (all processes') tokens get a policy
-    gradient ("Beyond the 80/20 Rule", Wang et al. 2025, who use 0.2; TRL's name); 1: every token"""
+    """only the tokens in this top fraction of the micro-batch's entropies get a policy gradient (Wang et al. 2025)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """token: each token's probability ratio to the rollout policy (GRPO); sequence: one ratio per completion, its tokens'
-    mean log-ratio, clipped as a whole (GSPO, whose paper clips with --epsilon 3e-4 --epsilon_high 4e-4; TRL's name)"""
+    """token: each token's own ratio to the rollout policy; sequence: one per completion, clipped whole (GSPO)"""
     epsilon: float = 0.2
     """the lower clip range of the per-token probability ratio: 1 - epsilon"""
     epsilon_high: Optional[float] = None
-    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses 0.28); cispo: the ratio's cap
-    itself (ScaleRL's epsilon_max, which recommends 5; TRL's)"""
+    """the upper clip range: 1 + epsilon_high (None: epsilon; DAPO: 0.28); cispo: the ratio's cap (ScaleRL: 5)"""
     delta: Optional[float] = None
-    """two-sided clipping (INTELLECT-2): the ratio also capped at delta, which bounds a negative advantage's loss (TRL's;
-    best above 1 + epsilon_high; None: off)"""
+    """two-sided clipping (INTELLECT-2): the ratio also capped at delta, above 1 + epsilon_high (None: off)"""
     sapo_temperature_pos: float = 1.0
     """sapo's gate temperature for the tokens of a positive advantage"""
     sapo_temperature_neg: float = 1.05
@@ -92,8 +84,8 @@ class GRPOArgs:
     vespo_lambda_neg: float = 2.0
     """vespo's gamma weight's decay for a negative advantage"""
     off_policy_mask_threshold: Optional[float] = None
-    """DeepSeek-V3.2's off-policy sequence mask: a completion of negative advantage whose mean per-token KL from the
-    policy that sampled it (the engine's with --use_vllm) exceeds this gives no policy loss (TRL's; None: off)"""
+    """DeepSeek-V3.2's off-policy mask: no loss from a negative advantage's completion this far (mean per-token KL) from
+    the policy that sampled it (off_policy_keep; None: off)"""
     ratio_threshold: Optional[float] = None
     """a micro-batch whose mean probability ratio exceeds this contributes no gradient (TRL)"""
     beta: float = 0.0
@@ -134,15 +126,12 @@ def batch_moments(values, reduce=None):
 
 
 def group_advantages(scores, k, scale_rewards, scored=None, reduce=None):
-    """GRPO: each completion's score minus the mean score of its prompt's k completions, divided by the std of those k
-    scores (group), of the global batch's scores (batch; reduce sums over processes, see batch_moments) or by nothing
-    (none), plus 1e-4. Both stds are unbiased (Bessel's correction), as TRL's nanstd.
-
-    scores and scored are (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j). A
-    completion no reward source scored (scored False; None: all scored) is left out of its group's mean and std and of
-    the batch's, and gets advantage 0. Returns the advantages and, per row, whether its group's scored completions
-    are all equal or fewer than two (then its advantage is exactly 0, where the rounding error of the group's mean
-    divided by 1e-4 would otherwise be left), both (prompts * k,)."""
+    """GRPO: each completion's score minus the mean score of its prompt's k completions, over the std of those k
+    scores (group), of the global batch's (batch; reduce: see batch_moments) or nothing (none), plus 1e-4; both stds
+    unbiased, as TRL's nanstd. scores, scored: (prompts * k,), row j * k + i the i-th completion of prompt j; a
+    completion no source scored (scored False; None: all scored) is left out of the means and stds, with advantage 0.
+    Returns the advantages and, per row, whether its group's scored completions are all equal or fewer than two (then
+    exactly 0, not the group mean's rounding error over 1e-4), both (prompts * k,)."""
     grouped = scores.reshape(-1, k)  # (prompts, k)
     valid = torch.ones_like(grouped, dtype=torch.bool) if scored is None else scored.reshape(-1, k)
     w = valid.to(grouped.dtype)
@@ -173,9 +162,8 @@ def normalized_sum(per_source, weights, k, reduce=None):
 
 
 def adapted_entropy_coef(coef, entropy, args):
-    """Skywork-OR1's adaptive entropy coefficient (--use_adaptive_entropy, TRL 1.16's), after an optimiser step whose
-    mean token entropy on all processes was `entropy`: --entropy_coef_delta more (to at most --entropy_coef_max) if that
-    was at most --entropy_target, else as much less (to at least --entropy_coef_min)"""
+    """Skywork-OR1's adaptive entropy coefficient (TRL 1.16's) after an optimiser step of mean token entropy `entropy`
+    (all processes'): --entropy_coef_delta up if at most --entropy_target, else down, within its bounds"""
     if entropy <= args.entropy_target:
         return min(coef + args.entropy_coef_delta, args.entropy_coef_max)
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
@@ -191,15 +179,14 @@ def sequence_log_ratio(log_ratio, mask):
 
 def high_entropy_mask(entropy, mask, quantile, pool):
     """The tokens that count (mask, (rows, width)) whose entropy is at least the (1 - quantile) quantile of pool, the
-    entropies of every token that counts in the micro-batch on all processes (torch.quantile: linear interpolation, as
-    TRL). No pool, no token."""
+    micro-batch's on all processes (torch.quantile's interpolation, as TRL). No pool, no token."""
     if pool.numel() == 0:
         return torch.zeros_like(mask)
     return mask & (entropy >= torch.quantile(pool.float(), 1.0 - quantile))
 
 
-def policy_loss(loss_type, ratio, log_ratio, logprobs, advantages, mask, epsilon, epsilon_high, delta=None, sapo=None,
-                vespo=None, is_weight=None):  # fmt: skip
+def policy_loss(loss_type, ratio, log_ratio, logprobs, advantages, mask, is_weight, epsilon, epsilon_high, delta, sapo,
+                vespo):  # fmt: skip
     """Each token's policy loss (rows, width) by --loss_type, as TRL 1.16 computes it. ratio: each token's probability
     ratio to the rollout policy (GSPO: its completion's), log_ratio the token's log of it, logprobs the policy's (with
     their gradient), advantages (rows, 1), mask the tokens that count:
@@ -234,13 +221,11 @@ def policy_loss(loss_type, ratio, log_ratio, logprobs, advantages, mask, epsilon
 
 
 def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens):
-    """One micro-batch's loss from its per-token losses (batch, seq) and mask (batch, seq), True where a token counts.
-
-    grpo (and sapo): mean over each row's tokens, then over rows; bnpo: mean over the micro-batch's tokens; dr_grpo:
-    sum over tokens / (rows x response_length); dapo (and cispo, vespo): sum over tokens / dapo_tokens, the tokens of
-    the optimiser step's global batch divided by (processes x gradient accumulation steps), as accelerate averages the
-    micro-batches' gradients over both; luspo: sum over each row's tokens, then mean over rows. A row or micro-batch
-    without a token counts zero."""
+    """One micro-batch's loss from its per-token losses and mask (rows, width), True where a token counts. grpo (and
+    sapo): mean over each row's tokens, then over rows; bnpo: mean over the tokens; dr_grpo: sum / (rows x
+    response_length); dapo (and cispo, vespo): sum / dapo_tokens, the optimiser step's global batch's tokens over
+    (processes x accumulation steps), as accelerate averages the gradients over both; luspo: sum over each row's
+    tokens, then mean over rows. A row or micro-batch without a token counts zero."""
     m = mask.to(per_token_loss.dtype)
     total = (per_token_loss * m).sum()
     if loss_type in ("grpo", "sapo"):
@@ -257,9 +242,8 @@ def aggregate_loss(per_token_loss, mask, loss_type, response_length, dapo_tokens
 
 
 def off_policy_keep(advantages, logprobs, behaviour_logprobs, mask, threshold):
-    """DeepSeek-V3.2's off-policy sequence mask: (rows, 1), 1 where a completion's loss is kept: a non-negative
-    advantage, or a mean per-token KL estimate log(behaviour / policy) over its counted tokens (NaN as 0) at most
-    threshold"""
+    """DeepSeek-V3.2's off-policy sequence mask (rows, 1): 1 where a completion's loss is kept, a non-negative advantage
+    or a mean KL estimate log(behaviour / policy) over its counted tokens (NaN as 0) at most threshold"""
     kl = torch.nan_to_num(behaviour_logprobs - logprobs.detach(), nan=0.0)
     m = mask.to(kl.dtype)
     mean_kl = (kl * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
@@ -272,11 +256,8 @@ def main(args):
     infra.at_least(args, 0, "epsilon", "epsilon_high", "beta", "off_policy_mask_threshold", "entropy_target")
     infra.at_least(args, 0, "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg")
     infra.at_least(args, 0, "entropy_coef_min", "entropy_coef_delta", "router_aux_loss_coef")
-    for name in ("ratio_threshold", "delta", "sapo_temperature_pos", "sapo_temperature_neg"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            utils.die(f"--{name} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.top_entropy_quantile <= 1:
-        utils.die(f"--top_entropy_quantile must be in [0, 1], got {args.top_entropy_quantile}")
+    infra.at_least(args, 0, "ratio_threshold", "delta", "sapo_temperature_pos", "sapo_temperature_neg", strict=True)
+    infra.at_least(args, 0, "top_entropy_quantile", at_most=1)
     if not args.entropy_coef_min <= args.entropy_coef_max:
         utils.die("--entropy_coef_max must be at least --entropy_coef_min")
     if args.use_adaptive_entropy and not args.entropy_coef_min <= args.entropy_coef <= args.entropy_coef_max:
@@ -286,29 +267,23 @@ def main(args):
     gspo = args.importance_sampling_level == "sequence"
     args.loss_type = loss_type = args.loss_type or ("grpo" if gspo else "dapo")
     if gspo and loss_type not in ("grpo", "luspo", "sapo"):
-        utils.die(
-            "GSPO's objective (--importance_sampling_level sequence) is a mean over completions: --loss_type grpo (or "
-            "luspo, sapo); vespo weighs the completion's ratio itself"
-        )
+        utils.die("GSPO's objective (--importance_sampling_level sequence) is a mean: --loss_type grpo, luspo or sapo")
     gdpo = args.multi_objective_aggregation == "normalize_then_sum"
     if gdpo and (args.missing_eos_penalty is not None or args.use_score_scaling or args.score_clip is not None):
         utils.die("--missing_eos_penalty, --use_score_scaling and --score_clip shape the sources' sum, which "
                   "--multi_objective_aggregation normalize_then_sum does not use")  # fmt: skip
     k = args.num_generations  # completions per prompt
     run = infra.start(args, k=args.num_generations)  # processes, seeding, batch sizes, output_dir
-    # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing) and the frozen initial
-    # policy, which --beta 0 (the default) never runs, so that none is loaded
+    # the tokenizer, prompts and reward sources; the policy (LoRA, ...) and with --beta the frozen initial policy
     policy, ref_policy = infra.load_policy(run, reference=args.beta > 0)
     router = infra.router_coef(policy, args.router_aux_loss_coef)  # 0 but for a mixture of experts
-    # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
-    # transformers'); fused: about 4x the default's speed on a CPU
+    # AdamW (LoRA: on the adapters), no weight decay on biases and norms (transformers'); fused: 4x faster on a CPU
     params = utils.decay_groups(policy, args.weight_decay)
     betas = (args.adam_beta1, args.adam_beta2)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
     # accelerate's (DDP, DeepSpeed); the reference and the reward models on the device; the EMA of --ema_beta
     policy, optimizer, ref_policy = infra.prepare(run, policy, optimizer, ref_policy)
-    # the scripts' own sampler or a vLLM engine, each token drawn by the sampling rule (utils.sampling_logits:
-    # --temperature, --top_k, --top_p, --min_p, --repetition_penalty)
+    # our sampler or a vLLM engine, each token drawn by the rule utils.sampling_logits (--temperature, --top_p, ...)
     sampler = infra.Sampler(run, policy, rule=utils.sampling_logits)
     accelerator = run.accelerator
     # TRL's --use_score_scaling, --use_score_norm and --score_clip; a checkpoint holds the running moments
@@ -325,6 +300,10 @@ def main(args):
         scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
         return utils.distinct_groups(utils.ScoreScaler(clip=args.score_clip)(scores, scored), scored, k)
 
+    # --loss_type's constants (policy_loss)
+    sapo, vespo = (args.sapo_temperature_pos, args.sapo_temperature_neg), (args.vespo_k_pos, args.vespo_lambda_pos)
+    clip = dict(epsilon=args.epsilon, epsilon_high=epsilon_high, delta=args.delta, sapo=sapo)
+    clip["vespo"] = vespo + (args.vespo_k_neg, args.vespo_lambda_neg)
     # a micro-batch of whole prompts runs each prompt once for its k completions (utils.forward_grouped)
     train_group = 1 if args.per_device_train_batch_size % k else k
     # one pass over one mini-batch: the policy takes its only step after reading every micro-batch, so the update's
@@ -351,9 +330,8 @@ def main(args):
 
         # autocast (a no-op without mixed precision) also covers the reference, which accelerate did not wrap
         with torch.no_grad(), accelerator.autocast():
-            # 2. the rollout policy's logprobs (of logits / temperature, the distribution sampled from), unless the
-            # update's own pass gives them (on_policy: placeholders, filled in micro-batch by micro-batch); the
-            # reference's with --beta
+            # 2. the rollout policy's logprobs (of logits / temperature), unless the update's own pass gives them
+            # (on_policy: placeholders, filled in micro-batch by micro-batch); the reference's with --beta
             unwrapped = accelerator.unwrap_model(policy)
             if on_policy:
                 logprobs = torch.full(sampled.shape, utils.INVALID_LOGPROB, device=run.device)
@@ -418,31 +396,16 @@ def main(args):
                         is_weight = None
                         if batch.behaviour_logprobs is not None:  # the engine sampled: each token's (or completion's)
                             # probability under the rollout policy over the engine's, truncated or masked, weighs its loss
-                            is_weight, _ = utils.importance_weights(
-                                logprobs[micro],
-                                batch.behaviour_logprobs[micro],
-                                mb_sampled,
-                                **args.importance_sampling("token_truncate"),
-                            )
+                            weighing = args.importance_sampling("token_truncate")
+                            behaviour = batch.behaviour_logprobs[micro]
+                            is_weight, _ = utils.importance_weights(logprobs[micro], behaviour, mb_sampled, **weighing)
                             is_weight = is_weight.reshape(len(is_weight), -1)  # sequence_*: (rows, 1)
                         # the policy loss of --loss_type (policy_loss: TRL 1.16's table)
                         per_token_loss = policy_loss(
-                            loss_type,
-                            ratio=ratio,
-                            log_ratio=logprobs_diff,
-                            logprobs=new_logprobs,
-                            advantages=mb_advantage,
-                            mask=mb_loss_mask,
-                            epsilon=args.epsilon,
-                            epsilon_high=epsilon_high,
-                            delta=args.delta,
-                            sapo=(args.sapo_temperature_pos, args.sapo_temperature_neg),
-                            vespo=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
-                            is_weight=is_weight,
+                            loss_type, ratio, logprobs_diff, new_logprobs, mb_advantage, mb_loss_mask, is_weight, **clip
                         )
                         if args.off_policy_mask_threshold is not None:  # against the policy that sampled
-                            behaviour = batch.behaviour_logprobs if batch.behaviour_logprobs is not None else logprobs
-                            behaviour = behaviour[micro]
+                            behaviour = logprobs[micro] if batch.behaviour_logprobs is None else behaviour
                             per_token_loss = per_token_loss * off_policy_keep(
                                 mb_advantage, new_logprobs, behaviour, mb_loss_mask, args.off_policy_mask_threshold
                             )
@@ -495,17 +458,12 @@ def main(args):
 
                         # token means over the whole update, on all processes; TRL's clip ratios: the tokens whose
                         # gradient the clip removed, below (ratio < 1 - epsilon with a negative advantage) or above
-                        low = (ratio < 1.0 - args.epsilon) & (mb_advantage < 0)
-                        high = (ratio > 1.0 + epsilon_high) & (mb_advantage > 0)
+                        low = ((ratio < 1.0 - args.epsilon) & (mb_advantage < 0)).float()
+                        high = ((ratio > 1.0 + epsilon_high) & (mb_advantage > 0)).float()
+                        clipped = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high}
+                        clipped["clip_ratio/region_mean"] = low + high
                         stats.add_tokens(
-                            mb_loss_mask,
-                            **{
-                                "entropy": entropy,
-                                "policy/approxkl_avg": 0.5 * logprobs_diff**2,
-                                "clip_ratio/low_mean": low.float(),
-                                "clip_ratio/high_mean": high.float(),
-                                "clip_ratio/region_mean": (low | high).float(),
-                            },
+                            mb_loss_mask, entropy=entropy, **{"policy/approxkl_avg": 0.5 * logprobs_diff**2}, **clipped
                         )
                         if args.beta:
                             stats.add_tokens(mb_loss_mask, kl=kl)
@@ -544,15 +502,12 @@ def main(args):
             if args.beta:  # the rollout's KL to the reference, k3 summed over each completion
                 rollout_kl = utils.kl_estimate(logprobs, ref_logprobs, "k3").masked_fill(~sampled, 0.0)
                 stats.add(**{"objective/kl": rollout_kl.sum(1).mean()})
-            # TRL's names: the mean score of the batch's scored completions and their std, the lengths' range
-            raw = raw_scores.masked_fill(~scored, 0.0)
-            total, count = run.reduce_sum(torch.stack([raw.sum(), scored.float().sum()])).tolist()
+            # TRL's names: the std of the batch's scored completions' scores (their mean: reward), the lengths' range
             lengths = accelerator.gather(lengths)
-            metrics = {"lr": lr, **scaler.metrics(), "reward": total / max(count, 1.0)}
+            metrics = {"lr": lr, **scaler.metrics(), "reward_std": batch_moments(raw_scores[scored], run.reduce_sum)[1].item()}
+            metrics.update({"completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
             if args.entropy_coef or args.use_adaptive_entropy:
                 metrics["entropy_coef"] = entropy_ctl.value[0]
-            metrics["reward_std"] = batch_moments(raw_scores[scored], run.reduce_sum)[1].item()
-            metrics.update({"completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item()})
         # metrics.jsonl, TensorBoard, wandb; samples, completions
         run.log(update, batch, stats, advantages, scores=raw_scores, scored=scored, **metrics)
         run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every

@@ -191,14 +191,11 @@ def packed_mask(config, sees):
 def forward_grouped(model, query_responses, mask, context_length, group, logits_to_keep, hidden=False, router=False):
     """forward()'s logits at the last logits_to_keep positions (at most the response's length + 1), for rows in groups
     of `group` completions of one prompt (rows g * group ... g * group + group - 1 share their first context_length
-    tokens), with the same values and gradients as running every row in full (tested). hidden: the last hidden states
-    there instead (rows, logits_to_keep, hidden size), for a score head (a reward model's). router: (the logits, an
-    MoE model's router load-balancing loss over every row's real tokens), from every row in full, as TRL's.
-
-    Each prompt runs once: a group becomes one packed row, the prompt then each completion, under an attention mask
-    that lets a completion see the prompt and itself only, at the positions it would have alone (with k = 4 and
-    prompts as long as the responses, 3/8 fewer positions). group=1 is plain forward(), and so is every model that
-    can_pack() refuses: a family not tested, flash attention, ALiBi, a window shorter than the packed row."""
+    tokens), equal in values and gradients to running every row in full (tested). hidden: the last hidden states there
+    instead, for a score head. router: (the logits, an MoE's router load-balancing loss), every row in full, as TRL's.
+    Each prompt runs once: a group is one packed row, the prompt then each completion, each seeing the prompt and
+    itself at the positions it would have alone (k = 4, prompts as long as the responses: 3/8 fewer positions). group=1
+    is plain forward(), as is every model can_pack() refuses (a family not tested, flash attention, ALiBi, ...)."""
     rows, width = query_responses.shape
     # the prompt's last token runs with each completion, whose first token its logits predict: then every logit wanted
     # lies in the completions' segments
@@ -239,11 +236,10 @@ def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, con
     whatever the environment says (it has no stop token, it is turn max_turns, or no token would fit after it), so no
     tool runs and the answer only says whether the environment would go on.
 
-    An episode is cut off when its last turn did not end with the stop token, whatever the environment says (as TRL
-    marks a completion truncated by its last token); it is capped when a bound ended it after a complete turn while the
-    environment would go on: max_turns, or an observation that leaves no room for a token. reduce (ZeRO-3) sums a
-    count over the processes: all sample every turn. Returns per row its tokens (after the prompt), which the policy
-    sampled, the engine's logprobs (0 on observations; or None), its turns, whether it was cut off, and capped."""
+    An episode is cut off when its last turn did not end with the stop token, whatever the environment says (TRL's
+    truncation); capped when a bound (max_turns, no room after an observation) ended it after a complete turn. reduce
+    (ZeRO-3) sums a count over the processes: all sample every turn. Returns per row its tokens (after the prompt),
+    which the policy sampled, the engine's logprobs (0 on observations; or None), its turns, if cut off, and capped."""
     n = len(prompts)
     tokens, policy, engine = ([[] for _ in range(n)] for _ in range(3))
     turns, cut, capped, active, logprobs = [0] * n, [False] * n, [False] * n, list(range(n)), None
@@ -287,14 +283,12 @@ def episodes(sample, prompts, respond, max_turns, max_tokens, stop_token_id, con
 
 
 def importance_weights(logprobs, behaviour_logprobs, sampled, mode, clip_min=None, clip_max=3.0):
-    """Importance sampling of an engine's samples (TRL's vllm_importance_sampling_mode; Yao et al. 2025, "Your
-    Efficient RL Framework Secretly Brings You Off-Policy RL Training"): the trainer's probability of what the engine
-    sampled over the engine's, so that a loss computed as if the trainer had sampled is corrected for the engine
-    having sampled. mode token_*: one weight per token (rows, width), 1 on padding; sequence_*: one per completion
-    (rows,), the ratio of the completions' probabilities. *_truncate: the ratio clipped to [clip_min, clip_max];
-    *_mask: the ratio, or 0 outside [clip_min, clip_max] (a bound None: none). Returns the weights and their metrics:
-    the mean and max |logprob difference| over the sampled tokens (sampled: (rows, width), True where the policy
-    sampled), and the fraction of ratios outside the bounds."""
+    """Importance sampling of an engine's samples (TRL's vllm_importance_sampling_mode; Yao et al. 2025): the trainer's
+    probability of what the engine sampled over the engine's, correcting a loss computed as if the trainer had sampled.
+    mode token_*: one weight per token (rows, width), 1 on padding; sequence_*: one per completion (rows,).
+    *_truncate: the ratio clipped to [clip_min, clip_max]; *_mask: 0 outside them (a bound None: none). Returns the
+    weights and their metrics: the mean and max |logprob difference| over the sampled tokens (sampled: (rows, width)),
+    and the fraction of ratios outside the bounds."""
     diff = (logprobs - behaviour_logprobs).masked_fill(~sampled, 0.0)
     level, action = mode.split("_")
     ratio = diff.sum(1).exp() if level == "sequence" else diff.exp()
@@ -306,12 +300,8 @@ def importance_weights(logprobs, behaviour_logprobs, sampled, mode, clip_min=Non
     weights = ratio.clamp(low, high) if action == "truncate" else ratio.masked_fill(outside, 0.0)
     if level == "token":
         weights = weights.masked_fill(~sampled, 1.0)
-    stats = {
-        "vllm/logprob_diff_mean": diff.abs().sum() / sampled.sum().clamp(min=1),
-        "vllm/logprob_diff_max": diff.abs().max(),
-        "vllm/capped_fraction": fraction,
-    }
-    return weights, stats
+    stats = {"vllm/logprob_diff_mean": diff.abs().sum() / sampled.sum().clamp(min=1), "vllm/capped_fraction": fraction}
+    return weights, {**stats, "vllm/logprob_diff_max": diff.abs().max()}
 
 
 def weighted_scores(per_source, weights):
@@ -528,9 +518,8 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None, std_eps=None):
 
 
 def rollout_chunks(batch, chunk):
-    """The batch's rows, chunk at a time, each chunk only as wide as its longest completion: (rows, query_responses,
-    attention mask, responses) per chunk. batch: infra.rollout.Batch (context_length, lengths, query_responses,
-    attention_mask)."""
+    """An infra.rollout.Batch's rows, chunk at a time, each chunk only as wide as its longest completion: (rows,
+    query_responses, attention mask, responses) per chunk."""
     for i in range(0, len(batch.lengths), chunk):
         rows = slice(i, i + chunk)
         end = batch.context_length + int(batch.lengths[rows].max())

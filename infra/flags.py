@@ -20,11 +20,14 @@ from .data import REPO, check_paths, note
 PROMPTS = os.path.join(REPO, "data", "prompts.jsonl")
 
 
-def at_least(args, bound, *names):
-    """Each of these flags (a number, or None where it may be) at least bound, else one line naming it and its value"""
+def at_least(args, bound, *names, strict=False, at_most=None):
+    """Each of these flags (a number, or None where it may be) at least bound (strict: above it; at_most: and at most
+    that), else one line naming it and its value"""
     for name in names:
-        if getattr(args, name) is not None and getattr(args, name) < bound:
-            die(f"--{name} must be at least {bound}, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and (value < bound or strict and value == bound or at_most is not None and value > at_most):
+            within = f"in [{bound}, {at_most}]" if at_most is not None else f"{'above' if strict else 'at least'} {bound}"
+            die(f"--{name} must be {within}, got {value}")
 
 
 def json_object(args, name):

@@ -26,7 +26,7 @@ from .models import resolve_pretrained
 
 def reward_stats(accelerator, per_source, sources, scores, scored):
     """rewards/<name>/mean and /std of each source over the completions it scored, objective/scores (the weighted score
-    of the scored completions) and objective/unscored, over all processes in one reduction."""
+    of the scored completions; TRL's reward) and objective/unscored, over all processes in one reduction."""
     valid = ~per_source.isnan()
     values = per_source.nan_to_num(0.0)
     sums = torch.stack([values.sum(1), (values * values).sum(1), valid.sum(1).float()], 1)  # (sources, 3)
@@ -37,7 +37,8 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     (total, square, count), (scored_sum, num_scored, n) = sums[:-1].unbind(1), sums[-1].tolist()
     mean = total / count.clamp(min=1)
     std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
-    stats = {"objective/scores": scored_sum / max(num_scored, 1), "objective/unscored": n - num_scored}
+    mean_score = scored_sum / max(num_scored, 1)
+    stats = {"objective/scores": mean_score, "reward": mean_score, "objective/unscored": n - num_scored}
     for source, m, sd in zip(sources, mean.tolist(), std.tolist()):
         stats[f"rewards/{source['name']}/mean"], stats[f"rewards/{source['name']}/std"] = m, sd
     return stats

@@ -10,7 +10,7 @@ from conftest import train_bpe
 KEYS = (
     "episode eps lr objective/kl objective/entropy objective/non_score_reward objective/rlhf_reward objective/scores"
     " policy/approxkl_avg policy/clipfrac_avg loss/policy_avg policy/entropy_avg val/ratio val/ratio_var val/num_eos_tokens"
-    " val/response_length objective/unscored"
+    " val/response_length objective/unscored reward"
 ).split()
 
 

@@ -162,7 +162,7 @@ for ga, micro_inds in enumerate(micro_batches):
         ratio = torch.exp(logprobs_diff)
     mb_advantage = advantages[micro_inds][:, None]
     per_token_loss = policy_loss(
-        cli.loss_type, ratio=ratio, log_ratio=logprobs_diff, logprobs=new_logprobs, advantages=mb_advantage,
+        cli.loss_type, ratio=ratio, log_ratio=logprobs_diff, logprobs=new_logprobs, advantages=mb_advantage, is_weight=None,
         mask=mb_mask, epsilon=EPS, epsilon_high=EPS_HIGH, delta=cli.delta, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0),
     )  # fmt: skip
     if cli.off_policy_mask_threshold is not None:
