@@ -266,6 +266,64 @@ class StepWatch:
         return taken
 
 
+def noisy_policy(model, folder, noise, seed):
+    """The offline scripts' comparisons start from a policy away from its reference: `model`'s weights plus Gaussian
+    noise (each weight matrix, the tied embedding included, moved by `noise` times its own std; the norms kept; one
+    draw seeded with `seed`), saved with the tokenizer into `folder` for TRL's side; our side's infra.load_model then
+    hands its policy those weights (nothing else changed). Returns the noisy weights {name: tensor}."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import infra
+
+    policy = AutoModelForCausalLM.from_pretrained(model)
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.dim() > 1:
+                p.add_(noise * p.std() * torch.randn(p.shape, generator=rng))
+    policy.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model).save_pretrained(folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    load_model = infra.load_model
+
+    def loaded(run, **kwargs):
+        policy, reference = load_model(run, **kwargs)
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                p.copy_(weights[n])
+        return policy, reference
+
+    infra.load_model = loaded
+    return weights
+
+
+def check_start(trainer, start, reference):
+    """TRL's trainer starts from our policy's weights (start) and, where it has one, our reference's (a folder)"""
+    import torch
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters()), "the policies start apart"
+    if getattr(trainer, "ref_model", None) is not None:
+        ref = load_file(os.path.join(reference, "model.safetensors"))
+        assert all(torch.equal(p, ref[n]) for n, p in trainer.ref_model.named_parameters()), "the references differ"
+
+
+def our_step(watch, out):
+    """What our script's run into `out` did, once its main returned (StepWatch): (its take, the rows it rendered, the
+    row indices of its micro-batches in order, the update's metrics row, the weights it saved)"""
+    import gc
+
+    from safetensors.torch import load_file
+
+    ours = watch.take()
+    gc.collect()  # our run, its model and optimiser
+    order = [i for micro in ours["micro_batches"] for i in micro]
+    row = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"lr"' in line][0]  # the update's
+    return ours, watch.rows, order, row, load_file(os.path.join(out, "model.safetensors"))
+
+
 def in_order(indices):
     """A torch Sampler that hands out indices in their order: TRL's train sampler replaced by our draw, so that the
     Trainer's micro-batches (per_device_train_batch_size consecutive indices) are ours"""

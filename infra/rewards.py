@@ -17,7 +17,7 @@ from utils import die, scalar_forward
 from .data import left_pad, load_object, truncate_response
 from .environments import awaited
 from .models import load_reward_model, load_tokenizer, same_vocabulary
-from .offline import is_chat, render, template_ids, tools_of
+from .render import is_chat, render, template_ids, tools_of
 
 
 def load_reward_fn(spec, columns):

@@ -13,7 +13,7 @@ import sys
 from conftest import REPO
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
-SCRIPTS = ["rloo.py", "ppo.py", "grpo.py", "distill.py", "sft.py", "reward.py", "dpo.py", "rloo_tldr.py", "ppo_tldr.py"]
+SCRIPTS = "rloo.py ppo.py grpo.py distill.py sft.py reward.py dpo.py kto.py rloo_tldr.py ppo_tldr.py".split()
 COMMAND = re.compile(r"(?:python|accelerate launch)\s+((?:--?[\w-]+(?:\s+\w+)?\s+)*)(\S+\.py)\b([^`\n]*)")
 FLAG = re.compile(r"(?<![\w-])--([a-z][\w-]*)")
 

@@ -1,5 +1,5 @@
-"""Examples per second (pairs for reward.py and dpo.py) of sft.py, reward.py and dpo.py against TRL 1.16's
-SFTTrainer, RewardTrainer and DPOTrainer, at identical settings, in one sitting: on the shipped data and on a
+"""Examples per second (pairs for reward.py and dpo.py) of sft.py, reward.py, dpo.py and kto.py against TRL 1.16's
+SFTTrainer, RewardTrainer, DPOTrainer and KTOTrainer, at identical settings, in one sitting: on the shipped data and on a
 prompt-heavy set shaped like TL;DR (a long prompt, a short completion), where reward.py and dpo.py run each pair's
 prompt once for both completions (utils.forward_grouped) and TRL runs it twice, once with each.
 
@@ -27,7 +27,9 @@ epsilon 1e-5 and no weight decay, the learning rate linear to 0 over the run fro
 reward 1e-4, dpo 1e-6: TRL's defaults too), gradients clipped at 1.0, max_length --max_length (1024: no row of either
 set reaches it, which the rendering check below confirms), dropout off (our scripts train in eval mode; TRL disables
 dropout in DPO and reward models, and SmolLM2 has none), no evaluation, nothing saved. DPO: sigmoid loss, beta 0.1, the
-reference's logprobs computed live on both sides (precompute_ref_log_probs False). Reward: no centring term, no
+reference's logprobs computed live on both sides (precompute_ref_log_probs False). KTO: the pairs, which both sides unpair (two
+examples a pair), loss kto, beta 0.1, the reference's logprobs live, each example's mismatched completion (TRL's) run
+on both sides. Reward: no centring term, no
 margin; ours without its end-of-run normalisation pass (--no_normalize_rewards; TRL has none). The same examples in
 the same micro-batches: TRL's train sampler hands out the rows our scripts draw with --seed (infra.data.Shuffled), in
 their order (harness.in_order), so both sides pad the same rows together.
@@ -67,6 +69,7 @@ TASKS = {  # our script, TRL's trainer, the learning rate (both sides' default)
     "sft": ("sft.py", "SFTTrainer", 2e-5),
     "reward": ("reward.py", "RewardTrainer", 1e-4),
     "dpo": ("dpo.py", "DPOTrainer", 1e-6),
+    "kto": ("kto.py", "KTOTrainer", 1e-6),  # (the pairs unpaired by both sides: 2 examples a pair)
 }
 DATASETS = ["shipped", "tldr"]
 PREFERENCES = os.path.join(REPO, "data", "preferences.jsonl")
@@ -159,20 +162,23 @@ def draw(rows):
 def trl_side():
     import datasets
     from transformers import TrainerCallback
-    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
     from infra.models import load_tokenizer
-    from infra.offline import pair_rows, sft_rows
+    from infra.offline import labelled_rows, pair_rows, sft_rows
 
     task, out = args.task, args.run_dir
     dataset = datasets.load_dataset("json", data_files=args.data, split="train")
     trainers = {"sft": (SFTConfig, SFTTrainer), "reward": (RewardConfig, RewardTrainer), "dpo": (DPOConfig, DPOTrainer)}
+    trainers["kto"] = (KTOConfig, KTOTrainer)
     Config, Trainer = trainers[task]
     fields = {"max_length": args.max_length}
     if task == "dpo":
         fields.update(beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=False)  # dpo.py's defaults
     if task == "reward":
         fields.update(center_rewards_coefficient=None)  # reward.py's default
+    if task == "kto":
+        fields.update(beta=0.1, loss_type="kto", precompute_ref_log_probs=False)  # kto.py's defaults
     scratch = tempfile.mkdtemp()  # TRL's output_dir: nothing is saved; the metrics go to out
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     config = harness.trl_step_config(
@@ -216,6 +222,11 @@ def trl_side():
         same = [p["input_ids"] == r["ids"] and m == r["mask"] for p, m, r in zip(prepared, learnt, ours)]
         prompt = [r["mask"].index(True) for r in ours]
         completion = [sum(r["mask"]) for r in ours]
+    elif task == "kto":  # (the mismatched completion of each example too)
+        ours = labelled_rows(tokenizer, dataset, where, args.max_length, block=args.per_device_train_batch_size)
+        whole = [(p["prompt_ids"], p["completion_ids"], p["KL_completion_ids"], p["label"]) for p in prepared]
+        same = [w == (r["prompt"], r["completion"], r["partner"], r["label"]) for w, r in zip(whole, ours)]
+        prompt, completion = [len(r["prompt"]) for r in ours], [len(r["completion"]) for r in ours]
     else:
         ours = pair_rows(tokenizer, dataset, where, args.max_length, truncate=task == "dpo")
         if task == "dpo":

@@ -53,7 +53,6 @@ TRL another pad token (RewardConfig.pad_token; SmolLM2's "<|endoftext|>", which 
 every row at its last token too."""
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -131,12 +130,8 @@ flags = [
     "--center_rewards_coefficient", str(cli.center_rewards_coefficient), "--output_dir", f"{tmp}/ours",
 ]  # fmt: skip
 reward.main(tyro.cli(reward.Args, args=flags, use_underscores=True))
-ours = watch.take()
-gc.collect()  # our run, its model and optimiser
-rows = watch.rows  # our rendering of every pair: {"prompt", "chosen", "rejected", "margin", "row"}
-order = [i for micro in ours["micro_batches"] for i in micro]
-our_row = [json.loads(line) for line in open(f"{tmp}/ours/metrics.jsonl") if '"lr"' in line][0]  # the update's
-w_ours = load_file(f"{tmp}/ours/model.safetensors")
+# rows: our rendering of every pair: {"prompt", "chosen", "rejected", "margin", "row"}
+ours, rows, order, our_row, w_ours = harness.our_step(watch, f"{tmp}/ours")
 print(f"ours: {len(ours['steps'])} optimiser step, micro-batches {ours['micro_batches']} of {len(rows)} pairs")
 
 # ------------------------------------------------------------------------------------------------------------------
