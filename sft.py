@@ -1,7 +1,8 @@
 """SFT: supervised fine-tuning of a causal language model on demonstrations, the first step of RLHF.
 
 The model learns to write the dataset's completions: the loss is the mean negative log-likelihood of the tokens it
-should write, over every such token of the batch (TRL's SFTTrainer): a prompt-completion row's completion, a
+should write (--loss_type dft: each weighted by its probability, detached), over every such token of the batch (TRL's
+SFTTrainer): a prompt-completion row's completion, a
 conversation's assistant messages with --assistant_only_loss, else every token. The data is in TRL's formats: a
 `messages` column of conversations (with an optional `tools` column of the tools' schemas), `prompt` and `completion`
 columns (strings or chat messages), or a `text` column.
@@ -19,7 +20,7 @@ With a hub dataset, on GPUs:
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import tyro
@@ -39,6 +40,10 @@ class SFTArgs:
     padding_free: bool = False
     """run each micro-batch without its padding, packed into rows (TRL's name): the same loss and gradients, less
     compute where rows differ in length; for the models whose attention takes a packed row exactly (refused elsewhere)"""
+    loss_type: Literal["nll", "dft"] = "nll"
+    """nll: each learnt token's negative log-likelihood; dft: times its probability, detached (Dynamic Fine-Tuning)"""
+    dataset_text_field: str = "text"
+    """the column of language-modeling rows (TRL's)"""
 
 
 @dataclass
@@ -82,7 +87,10 @@ def main(args):
     # the tokenizer and every row rendered and checked (with no token to learn within --max_length: left out, as TRL),
     # before anything is written
     rows = infra.read_examples(
-        args, completion_only_loss=args.completion_only_loss, assistant_only_loss=args.assistant_only_loss
+        args,
+        completion_only_loss=args.completion_only_loss,
+        assistant_only_loss=args.assistant_only_loss,
+        text_field=args.dataset_text_field,
     )
     run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
     data = infra.load_examples(run, rows)  # their batches
@@ -103,6 +111,7 @@ def main(args):
         for batch in data.held_out():
             with accelerator.autocast():
                 losses, mask, right = nll(model, batch, args.padding_free)
+            losses = losses * torch.exp(-losses) if args.loss_type == "dft" else losses
             totals += torch.stack([losses.sum(), right.sum(), mask.sum()]).float()
         if data.held_out_rows is None:
             return None
@@ -125,6 +134,8 @@ def main(args):
             for batch in mini_batch:
                 with accelerator.accumulate(model):
                     losses, mask, right = nll(model, batch, args.padding_free)
+                    if args.loss_type == "dft":  # DFT (Wu et al. 2025): each token's NLL times its probability
+                        losses = losses * torch.exp(-losses).detach()
                     loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size
                     run.check_finite(loss)
                     accelerator.backward(loss)

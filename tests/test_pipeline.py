@@ -1,6 +1,6 @@
 """sft.py, reward.py and dpo.py: their formulas against naive computations, their data (TRL's formats, bad rows
-refused), learning on a tiny model, two processes against one, kill -9 and --resume, and a reward model of reward.py
-read in RL exactly as in training."""
+refused), learning on a tiny model, two processes against one, kill -9 and --resume (kto.py's too; its own tests are in
+tests/test_kto.py), and a reward model of reward.py read in RL exactly as in training."""
 
 import json
 import math
@@ -172,29 +172,166 @@ def rows_dataset(rows):
 # the formulas against naive computations
 
 
-def test_dpo_losses_match_a_naive_loop():
+def naive_dpo_loss(kind, c_logp, r_logp, c_ref, r_ref, nc, nr, b, e, f, alpha, tau, counts=(1, 1), nll=0.0):
+    """One pair's loss by TRL 1.16's definition, in plain floats (aot's sort is the caller's); counts: the tokens the
+    log-probabilities sum (SimPO's and ORPO's means), nll: the chosen tokens' mean NLL"""
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    logsig = lambda x: math.log(sig(x))  # noqa: E731
+    c, r = c_logp - c_ref, r_logp - r_ref
+
+    def score(x):
+        if f == "forward_kl":
+            return 1 - math.exp(-x)
+        if f == "js_divergence":
+            return math.log(2) + logsig(x)
+        if f == "alpha_divergence":
+            return (math.exp((alpha - 1) * x) - 1) / (alpha - 1)
+        return x
+
+    d = score(c) - score(r)
+    if kind in ("simpo", "cpo", "orpo"):  # (no reference)
+        mc, mr = c_logp / counts[0], r_logp / counts[1]
+        if kind == "orpo":
+            log_odds = (mc - mr) - (math.log(1 - math.exp(mc)) - math.log(1 - math.exp(mr)))
+            return nll - b * logsig(log_odds)
+        x = b * (mc - mr) - 0.5 if kind == "simpo" else b * (c_logp - r_logp)
+        return -(1 - e) * logsig(x) - e * logsig(-x) + (0.7 * nll if kind == "cpo" else 0.0)
+    if kind in ("ipo", "sigmoid_norm"):
+        d = score(c) / nc - score(r) / nr
+        return (d - 1 / (2 * b)) ** 2 if kind == "ipo" else -logsig(b * d)
+    return {
+        "sigmoid": lambda: -logsig(b * d),
+        "cdpo": lambda: -(1 - e) * logsig(b * d) - e * logsig(-b * d),
+        "robust": lambda: (-(1 - e) * logsig(b * d) + e * logsig(-b * d)) / (1 - 2 * e),
+        "hinge": lambda: max(0.0, 1 - b * d),
+        "exo_pair": lambda: sig(b * d) * (logsig(b * d) - math.log(1 - e)) + sig(-b * d) * (logsig(-b * d) - math.log(e)),
+        "nca_pair": lambda: -logsig(b * c) - 0.5 * logsig(-b * c) - 0.5 * logsig(-b * r),
+        "bco_pair": lambda: -logsig(b * c) - logsig(-b * r),
+        "sppo_hard": lambda: (c - 0.5 / b) ** 2 + (r + 0.5 / b) ** 2,
+        "apo_zero": lambda: 1 - sig(b * c) + sig(b * r),
+        "apo_down": lambda: sig(b * c) + 1 - sig(b * (c - r)),
+        "discopop": lambda: -logsig(b * d) * (1 - sig(b * d / tau)) + math.exp(-b * d) * sig(b * d / tau),
+    }[kind]()
+
+
+@pytest.mark.parametrize("f", ["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"])
+def test_dpo_losses_match_a_naive_loop(f):
+    """Every --loss_type of dpo.py (TRL 1.16's table, and cdpo) on random log-probabilities, pair by pair against its
+    definition written in plain floats, under each f-divergence that takes it; aot and aot_unpaired sort the micro-batch
+    first (the log-ratio gaps, or the chosen and rejected log-ratios apart)."""
     import dpo
 
     torch.manual_seed(0)
-    logratios, tokens = torch.randn(6, 2) * 3, torch.randint(1, 9, (6, 2)).float()
-    for loss_type, smoothing in [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)]:
-        got = dpo.dpo_loss(logratios, tokens, 0.3, loss_type, smoothing)
-        for j in range(6):
-            c, r = logratios[j].tolist()
-            if loss_type == "ipo":
-                d = c / tokens[j, 0].item() - r / tokens[j, 1].item()
-                want = (d - 1 / (2 * 0.3)) ** 2
-            elif loss_type == "hinge":
-                want = max(0.0, 1 - 0.3 * (c - r))
+    n = 6
+    logps = -torch.rand(n, 2) * 20
+    ref = logps + torch.randn(n, 2) * 2  # (log-ratios of a few nats)
+    tokens = torch.randint(1, 9, (n, 2)).float()
+    args = types.SimpleNamespace(
+        beta=0.3, label_smoothing=0.1, f_divergence_type=f, f_alpha_divergence_coef=0.5, discopop_tau=0.05
+    )
+    args.simpo_gamma, args.cpo_alpha = 0.5, 0.7
+    counts = tokens - torch.tensor([[1.0, 0.0]] * 3 + [[0.0, 0.0]] * 3)  # (after an empty prompt, one fewer)
+    kinds = dpo.F_DIVERGENCE if f != "reverse_kl" else dpo.LOSSES
+    for kind in kinds:
+        got = dpo.dpo_loss(kind, logps, ref, tokens, args, sft_nll=torch.tensor(2.5), counts=counts)
+        if kind == "sft":
+            assert got.tolist() == [2.5] * n
+            continue
+        if kind in ("aot", "aot_unpaired"):
+            if kind == "aot":
+                gaps = sorted((logps[:, 0] - logps[:, 1]).tolist()), sorted((ref[:, 0] - ref[:, 1]).tolist())
+                deltas = [x - y for x, y in zip(*gaps)]
             else:
-                p = 1 / (1 + math.exp(-0.3 * (c - r)))
-                want = -(1 - smoothing) * math.log(p) - smoothing * math.log(1 - p)
-            assert got[j].item() == pytest.approx(want, rel=1e-5, abs=1e-6), (loss_type, j)
+                lr = logps - ref
+                deltas = [x - y for x, y in zip(sorted(lr[:, 0].tolist()), sorted(lr[:, 1].tolist()))]
+            want = [
+                -(0.9) * math.log(1 / (1 + math.exp(-0.3 * g))) - 0.1 * math.log(1 / (1 + math.exp(0.3 * g))) for g in deltas
+            ]
+        else:
+            want = [
+                naive_dpo_loss(
+                    kind,
+                    *logps[j].tolist(),
+                    *ref[j].tolist(),
+                    *tokens[j].tolist(),
+                    0.3,
+                    0.1,
+                    f,
+                    0.5,
+                    0.05,
+                    counts=counts[j].clamp(min=1).tolist(),
+                    nll=2.5,
+                )  # fmt: skip
+                for j in range(n)
+            ]
+        assert got.tolist() == pytest.approx(want, rel=1e-4, abs=1e-5), kind
+
+
+def test_reference_free_losses_equal_trls_experimental_trainers():
+    """SimPO and CPO against TRL 1.16's experimental CPOTrainer.cpo_loss (plus cpo_alpha times the NLL, as its
+    get_batch_loss_metrics adds it), ORPO against ORPOTrainer.odds_ratio_loss (the NLL less its mean), on the same
+    per-token (simpo, orpo) or summed (cpo) log-probabilities (skipped where TRL's experimental trainers do not import)"""
+    cpo = pytest.importorskip("trl.experimental.cpo.cpo_trainer")
+    orpo = pytest.importorskip("trl.experimental.orpo.orpo_trainer")
+    import dpo
+
+    torch.manual_seed(1)
+    n, nll = 6, torch.tensor(1.7)
+    counts = torch.randint(3, 9, (n, 2)).float()
+    logps = -torch.rand(n, 2) * 2 * counts  # (per-token log-probabilities in (-2, 0))
+    zeros = torch.zeros(n, 2)
+    for e in (0.0, 0.1):
+        args = types.SimpleNamespace(beta=0.3, label_smoothing=e, simpo_gamma=0.5, cpo_alpha=0.7)
+        args.f_divergence_type, args.f_alpha_divergence_coef = "reverse_kl", 0.5
+        peer = types.SimpleNamespace(alpha=0.0, beta=0.3, label_smoothing=e, simpo_gamma=0.5)
+        peer.accelerator = types.SimpleNamespace(device=torch.device("cpu"))
+        for kind in ("simpo", "cpo"):
+            theirs = logps / counts if kind == "simpo" else logps
+            peer.loss_type = "simpo" if kind == "simpo" else "sigmoid"
+            want = cpo.CPOTrainer.cpo_loss(peer, theirs[:, 0], theirs[:, 1])[0].mean() + (kind == "cpo") * 0.7 * nll
+            got = dpo.dpo_loss(kind, logps, zeros, counts, args, sft_nll=nll, counts=counts).mean()
+            assert got.item() == pytest.approx(want.item(), rel=1e-6), (kind, e)
+    mean = logps / counts
+    want = nll - orpo.ORPOTrainer.odds_ratio_loss(peer, mean[:, 0], mean[:, 1])[0].mean()
+    got = dpo.dpo_loss("orpo", logps, zeros, counts, args, sft_nll=nll, counts=counts).mean()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_ld_alpha_and_wpo_weights_match_a_token_loop(tiny_model_dir):
+    """pair_logprobs against each completion run alone, token by token: LD-DPO's sum (the tokens past the shorter
+    completion's count weighted ld_alpha), the plain sum, and WPO's weight: exp of the mean over each completion's
+    tokens of log p - log sum_v p_v^2, chosen's times rejected's"""
+    from transformers import AutoModelForCausalLM
+
+    import dpo
+
+    tok = tokenizer_of(tiny_model_dir)
+    rows = offline.pair_rows(tok, rows_dataset(pairs(5)), "test", max_length=None, truncate=True)
+    batch = pair_batch(tiny_model_dir, rows, tok)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        ld, plain, wpo = dpo.pair_logprobs(policy, batch, ld_alpha=0.3, wpo=True)
+        for j, row in enumerate(rows):
+            shorter = min(len(row["chosen"]), len(row["rejected"]))
+            weight = 1.0
+            for side, completion in enumerate((row["chosen"], row["rejected"])):
+                logits = policy(torch.tensor([row["prompt"] + completion])).logits[0].double()
+                logp = logits.log_softmax(-1)[len(row["prompt"]) - 1 : -1]  # (the logits that predict the completion)
+                token = [logp[t, completion[t]].item() for t in range(len(completion))]
+                assert plain[j, side].item() == pytest.approx(sum(token), rel=1e-4, abs=1e-4)
+                ld_sum = sum(x * (1.0 if t < shorter else 0.3) for t, x in enumerate(token))
+                assert ld[j, side].item() == pytest.approx(ld_sum, rel=1e-4, abs=1e-4)
+                squares = [torch.logsumexp(2 * logp[t], -1).item() for t in range(len(completion))]
+                weight *= math.exp(sum(x - q for x, q in zip(token, squares)) / len(completion))
+            assert wpo[j].item() == pytest.approx(weight, rel=1e-3)
 
 
 def pair_batch(model_dir, rows, tokenizer):
     run = types.SimpleNamespace(
-        args=types.SimpleNamespace(seed=1), tokenizer=tokenizer, device=torch.device("cpu"), accelerator=None
+        args=types.SimpleNamespace(seed=1, train_sampling_strategy="random"),
+        tokenizer=tokenizer,
+        device=torch.device("cpu"),
+        accelerator=None,
     )
     examples = offline.Examples(run, rows, None, pairs=True)
     return examples.collate(list(range(len(rows))))
@@ -215,7 +352,7 @@ def test_a_pair_runs_its_prompt_once_and_gets_each_completions_logprob_and_score
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     with torch.no_grad():
-        logprobs = dpo.pair_logprobs(policy, batch)
+        logprobs = dpo.pair_logprobs(policy, batch)[0]
         rewards = reward.pair_rewards(rm, rm.score, batch)
         for j, row in enumerate(rows):
             for side, completion in enumerate((row["chosen"], row["rejected"])):
@@ -248,10 +385,13 @@ def test_a_pair_with_an_empty_prompt_is_scored_as_trl_does(prompts, tiny_model_d
     ref = AutoModelForCausalLM.from_pretrained(eos_model_dir).eval()
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir).eval()
     with torch.no_grad():
-        logprobs, ref_logprobs = dpo.pair_logprobs(policy, batch), dpo.pair_logprobs(ref, batch)
+        logprobs, ref_logprobs = dpo.pair_logprobs(policy, batch)[0], dpo.pair_logprobs(ref, batch)[0]
         rewards = reward.pair_rewards(rm, rm.score, batch)
         tokens = batch.lengths.reshape(-1, 2)  # (as dpo.py counts them: the first token included)
-        losses = {t: dpo.dpo_loss(logprobs - ref_logprobs, tokens, 0.3, t, 0.0) for t in ("sigmoid", "ipo")}
+        args = types.SimpleNamespace(
+            beta=0.3, label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5
+        )
+        losses = {t: dpo.dpo_loss(t, logprobs, ref_logprobs, tokens, args) for t in ("sigmoid", "ipo")}
         for j, row in enumerate(rows):
             want = torch.zeros(2, 2, dtype=torch.float64)  # (policy, reference) x (chosen, rejected)
             for side, completion in enumerate((row["chosen"], row["rejected"])):
@@ -282,6 +422,7 @@ def small(script, model, data, out, extra=""):
         "sft.py": (data["sft"], data["sft_test"]),
         "reward.py": (data["pairs"], data["pairs_test"]),
         "dpo.py": (data["pairs"], data["pairs_test"]),
+        "kto.py": (data["pairs"], data["pairs_test"]),  # (unpaired)
     }[script]
     return (
         f"{script} --model_name_or_path {model} --dataset_name {datasets[0]} --eval_dataset_name {datasets[1]}"
@@ -300,6 +441,7 @@ def small(script, model, data, out, extra=""):
             "higher",
         ),
         ("dpo.py", "--num_train_epochs 4 --learning_rate 3e-3 --beta 0.5", "eval/rewards/margins", "higher"),
+        ("dpo.py", "--num_train_epochs 4 --learning_rate 3e-3 --loss_type simpo orpo", "eval/rewards/margins", "higher"),
     ],
 )
 def test_each_script_learns_its_task(script, extra, key, better, run, tmp_path, tiny_model_dir, data):
@@ -322,6 +464,8 @@ def test_each_script_learns_its_task(script, extra, key, better, run, tmp_path, 
         AutoModelForCausalLM.from_pretrained(out)
     if script == "dpo.py":
         assert evals[-1]["eval/rewards/accuracies"] > 0.5
+    if "simpo" in extra:  # no reference: the implicit rewards are beta times the policy's log-probabilities
+        assert evals[0]["eval/rewards/chosen"] == pytest.approx(0.1 * evals[0]["eval/logps/chosen"], rel=1e-5)
 
 
 def test_dpo_and_reward_train_on_pairs_whose_prompts_are_empty(run, tmp_path, tiny_model_dir):
@@ -388,6 +532,35 @@ def test_an_epoch_is_a_pass_over_the_examples_kept(script, run, tmp_path, tiny_m
     assert len(outs[0]) == 2 + (script == "reward.py") and outs[0] == outs[1]  # (2 updates; reward.py's offset)
 
 
+def test_sft_dft_loss_and_trls_data_names(run, tmp_path, tiny_model_dir):
+    """--loss_type dft on a `content` column (--dataset_text_field) of texts ending with --eos_token "<|pad|>": the first
+    update's loss, over the whole file in one micro-batch, is each learnt token's NLL times its probability, summed
+    over the texts each run alone with plain transformers (the new EOS appended), over their count; --chat_template_path
+    sets --chat_template"""
+    from transformers import AutoModelForCausalLM
+
+    import sft
+
+    texts = [f"The {TOPICS[i]} is {' '.join(GOOD[i : i + 3])}" for i in range(8)]
+    path, out = write(tmp_path / "t.jsonl", [{"content": t} for t in texts]), tmp_path / "out"
+    flags = "--dataset_text_field content --eos_token <|pad|> --loss_type dft --per_device_train_batch_size 8"
+    command = f"sft.py --model_name_or_path {tiny_model_dir} --dataset_name {path} {flags} --output_dir {out}"
+    check_ok(run(command, cwd=tmp_path))
+    (row,) = read_metrics(out)
+    tok, model = tokenizer_of(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for t in texts:
+            ids = tok(t + "<|pad|>")["input_ids"]
+            logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+            for i in range(1, len(ids)):
+                total, count = total + -logp[i - 1, ids[i]].item() * logp[i - 1, ids[i]].exp().item(), count + 1
+    assert row["loss/sft"] == pytest.approx(total / count, rel=1e-4)
+    assert tokenizer_of(out).eos_token == "<|pad|>"
+    args = sft.Args(model_name_or_path=tiny_model_dir, dataset_name=path, chat_template_path=f"{tmp_path}/t.jsonl")
+    assert args.chat_template == f"{tmp_path}/t.jsonl" and args.chat_template_path is None
+
+
 def test_sft_leaves_out_the_rows_with_no_token_to_learn_within_max_length(tiny_model_dir, tmp_path, capsys):
     """A row whose prompt fills --max_length is left out with one note (TRL drops it after its cut), the others kept
     as rendered, cut to --max_length; every row left out: one error line. reward.py's reference completions
@@ -411,7 +584,10 @@ def test_sft_leaves_out_the_rows_with_no_token_to_learn_within_max_length(tiny_m
     assert capsys.readouterr().err == "error: every row in t has no token to learn within --max_length 48\n"
 
     run = types.SimpleNamespace(
-        args=types.SimpleNamespace(seed=1, max_length=48), tokenizer=tok, device=torch.device("cpu"), accelerator=None
+        args=types.SimpleNamespace(seed=1, max_length=48, train_sampling_strategy="random"),
+        tokenizer=tok,
+        device=torch.device("cpu"),
+        accelerator=None,
     )
     references = offline.load_references(run, write(tmp_path / "references.jsonl", rows), "train")
     assert [r["ids"] for r in references.rows] == want
@@ -456,10 +632,12 @@ def test_padding_free_is_refused_in_one_line_where_a_packed_row_is_not_exact(run
     assert not out.exists()
 
 
-@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py"])
 def test_two_processes_match_one(script, run, tmp_path, tiny_model_dir, data):
+    """(kto.py: its loss without the KL reference point, which TRL pools over the processes' micro-batches, and so
+    over other examples than one process's micro-batch)"""
     one, two = tmp_path / "one", tmp_path / "two"
-    extra = "--total_episodes 32 --learning_rate 1e-3"
+    extra = "--total_episodes 32 --learning_rate 1e-3" + (" --loss_type apo_zero_unpaired" if script == "kto.py" else "")
     check_ok(run(small(script, tiny_model_dir, data, one, extra), cwd=tmp_path))
     args = small(script, tiny_model_dir, data, two, extra).replace(
         "--gradient_accumulation_steps 2", "--gradient_accumulation_steps 1"
@@ -473,12 +651,14 @@ def test_two_processes_match_one(script, run, tmp_path, tiny_model_dir, data):
         assert a.keys() == b.keys()
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    if script == "kto.py":  # (APO-zero's loss estimates no KL)
+        assert all(r["kl"] == 0.0 for r in rows_one if "kl" in r)
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py"])
 def test_kill_then_resume_continues_exactly(script, run, tmp_path, tiny_model_dir, data):
     import subprocess
     import sys
@@ -680,7 +860,9 @@ def test_the_sft_loss_covers_the_completion_tokens_of_each_row_run_alone(padding
     rows += offline.sft_rows(
         tok, rows_dataset([{"text": e["prompt"] + e["completion"]} for e in examples]), "t", 1024, None, False
     )
-    run = types.SimpleNamespace(args=types.SimpleNamespace(seed=1), tokenizer=tok, device=torch.device("cpu"))
+    run = types.SimpleNamespace(
+        args=types.SimpleNamespace(seed=1, train_sampling_strategy="random"), tokenizer=tok, device=torch.device("cpu")
+    )
     batch = offline.Examples(run, rows, None, pairs=False).collate(list(range(10)))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """One DPO update on identical inputs, dpo.py's real main against TRL 1.16's real DPOTrainer.train(): the same
 preference pairs (the batch dpo.py draws for its first update, in its order and its micro-batches), the same policy
 and reference weights, the same optimiser settings; each side renders the pairs itself, runs its own policy and
-reference passes, log-ratios and loss (--loss_type sigmoid, ipo or hinge), backward, clipping and AdamW step. Prints
+reference passes, log-ratios and loss (any --loss_type of TRL 1.16's, several with --loss_weights; --ld_alpha,
+--use_weighting, --f_divergence_type, --label_smoothing), backward, clipping and AdamW step. Prints
 whether the two renderings of every pair are the same tokens, both losses (per micro-batch as backpropagated, and as
 logged) and TRL's metrics beside ours (rewards/chosen, rejected, margins, accuracies; logps/chosen, rejected), how far
 apart the gradients before clipping are, and how far apart the weights after the step (TRL's policy against the
@@ -9,6 +10,9 @@ model.safetensors dpo.py saved). A relative difference near 1e-5 is float32 roun
 
     python benchmark/same_update/same_update_dpo.py --seed 1                          # sigmoid, chat messages
     python benchmark/same_update/same_update_dpo.py --seed 1 --loss_type ipo          # and hinge
+    python benchmark/same_update/same_update_dpo.py --seed 1 --loss_type bco_pair     # any of TRL 1.16's 15
+    python benchmark/same_update/same_update_dpo.py --seed 1 --loss_type sigmoid bco_pair sft --loss_weights 0.8 0.2 1
+    python benchmark/same_update/same_update_dpo.py --seed 1 --ld_alpha 0.5           # or --use_weighting
     python benchmark/same_update/same_update_dpo.py --seed 1 --format string          # strings, EOS appended
     python benchmark/same_update/same_update_dpo.py --seed 1 --format empty_prompt    # and --loss_type ipo
     python benchmark/same_update/same_update_dpo.py --seed 1 --format implicit        # no prompt column
@@ -62,7 +66,6 @@ DataCollatorForPreference (prompt + chosen rows, then prompt + rejected, right-p
 passes through its fused LM head, the loss, the Trainer's loop, fused AdamW and linear schedule."""
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -74,13 +77,10 @@ sys.path.insert(0, REPO)  # the repository's root: the scripts, utils, infra, be
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import torch  # noqa: E402
 import tyro  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import dpo  # noqa: E402  (dpo.py; its main is guarded)
-import infra  # noqa: E402
 from benchmark import harness  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,7 +88,12 @@ parser.add_argument("--seed", type=int, default=1, help="picks the batch (dpo.py
 parser.add_argument(
     "--format", choices=["chat", "string", "empty_prompt", "implicit"], default="chat", help="the pairs' format"
 )
-parser.add_argument("--loss_type", choices=["sigmoid", "ipo", "hinge"], default="sigmoid")
+parser.add_argument("--loss_type", choices=[x for x in dpo.LOSSES if x != "cdpo"], nargs="+", default=["sigmoid"])
+parser.add_argument("--loss_weights", type=float, nargs="+", default=None, help="MPO: each loss's weight")
+parser.add_argument("--label_smoothing", type=float, default=0.0, help="robust, exo_pair, aot, aot_unpaired")
+parser.add_argument("--ld_alpha", type=float, default=None, help="LD-DPO")
+parser.add_argument("--use_weighting", action="store_true", help="WPO")
+parser.add_argument("--f_divergence_type", default="reverse_kl", help="f-DPO")
 parser.add_argument("--beta", type=float, default=0.1)
 parser.add_argument("--model", default=harness.SMOLLM2)
 parser.add_argument("--learning_rate", type=float, default=1e-6)
@@ -122,27 +127,7 @@ if cli.format != "chat":
 
 # the policy both sides start from: the reference plus noise
 policy_dir = os.path.join(tmp, "policy")
-policy = AutoModelForCausalLM.from_pretrained(cli.model)
-noise_rng = torch.Generator().manual_seed(cli.seed)
-with torch.no_grad():
-    for p in policy.parameters():
-        if p.dim() > 1:  # the weight matrices (the embedding, tied to the LM head, included), not the norms
-            p.add_(cli.noise * p.std() * torch.randn(p.shape, generator=noise_rng))
-policy.save_pretrained(policy_dir)
-AutoTokenizer.from_pretrained(cli.model).save_pretrained(policy_dir)
-del policy
-w_policy = load_file(os.path.join(policy_dir, "model.safetensors"))
-
-
-def noisy_policy(run, **kwargs):  # infra.load_model, then the policy's weights from the noisy folder
-    policy, reference = load_model(run, **kwargs)
-    with torch.no_grad():
-        for n, p in policy.named_parameters():
-            p.copy_(w_policy[n])
-    return policy, reference
-
-
-load_model, infra.load_model = infra.load_model, noisy_policy
+w_policy = harness.noisy_policy(cli.model, policy_dir, cli.noise, cli.seed)
 
 # ------------------------------------------------------------------------------------------------------------------
 # 2. our update: dpo.py's main, watched
@@ -151,15 +136,15 @@ flags = [
     "--model_name_or_path", cli.model, "--dataset_name", data, "--seed", str(cli.seed),
     "--total_episodes", str(BATCH), "--per_device_train_batch_size", str(PER_DEVICE),
     "--gradient_accumulation_steps", str(ACCUMULATION), "--learning_rate", str(cli.learning_rate),
-    "--beta", str(cli.beta), "--loss_type", cli.loss_type, "--output_dir", f"{tmp}/ours",
+    "--beta", str(cli.beta), "--loss_type", *cli.loss_type, "--output_dir", f"{tmp}/ours",
+    "--label_smoothing", str(cli.label_smoothing), "--f_divergence_type", cli.f_divergence_type,
 ]  # fmt: skip
+flags += ["--loss_weights", *map(str, cli.loss_weights)] if cli.loss_weights else []
+flags += ["--ld_alpha", str(cli.ld_alpha)] if cli.ld_alpha is not None else []
+flags += ["--use_weighting"] if cli.use_weighting else []
 dpo.main(tyro.cli(dpo.Args, args=flags, use_underscores=True))
-ours = watch.take()
-gc.collect()  # our run, its model and optimiser
-rows = watch.rows  # our rendering of every pair: {"prompt", "chosen", "rejected", "margin", "row"}
-order = [i for micro in ours["micro_batches"] for i in micro]
-our_row = [json.loads(line) for line in open(f"{tmp}/ours/metrics.jsonl") if '"lr"' in line][0]  # the update's
-w_ours = load_file(f"{tmp}/ours/model.safetensors")
+# rows: our rendering of every pair: {"prompt", "chosen", "rejected", "margin", "row"}
+ours, rows, order, our_row, w_ours = harness.our_step(watch, f"{tmp}/ours")
 print(f"ours: {len(ours['steps'])} optimiser step, micro-batches {ours['micro_batches']} of {len(rows)} pairs")
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -176,7 +161,12 @@ config = harness.trl_step_config(
     ACCUMULATION,
     max_length=1024,  # ours
     beta=cli.beta,
-    loss_type=[cli.loss_type],
+    loss_type=cli.loss_type,
+    loss_weights=cli.loss_weights,
+    label_smoothing=cli.label_smoothing,
+    ld_alpha=cli.ld_alpha,
+    use_weighting=cli.use_weighting,
+    f_divergence_type=cli.f_divergence_type,
     precompute_ref_log_probs=False,
 )
 logs = harness.trl_logs()
@@ -189,9 +179,8 @@ trainer = DPOTrainer(
     callbacks=[logs],
 )
 print(f"TRL {__version__} loaded: {trainer.model.dtype} {trainer.model.config._attn_implementation}")
-w_start, w_reference = w_policy, load_file(os.path.join(cli.model, "model.safetensors"))
-assert all(torch.equal(p, w_start[n]) for n, p in trainer.model.named_parameters()), "the policies start apart"
-assert all(torch.equal(p, w_reference[n]) for n, p in trainer.ref_model.named_parameters()), "the references differ"
+w_start = w_policy
+harness.check_start(trainer, w_start, cli.model)
 
 # the two renderings: each pair's prompt, chosen and rejected tokens
 prepared = trainer.train_dataset
@@ -229,8 +218,8 @@ w_trl = {n: p.detach() for n, p in trainer.model.named_parameters()}
 # ------------------------------------------------------------------------------------------------------------------
 # 4. comparison
 print(
-    f"\nseed {cli.seed}, format {cli.format}, loss {cli.loss_type}, beta {cli.beta}, noise {cli.noise}: one step of "
-    f"{BATCH} pairs, micro-batches of {PER_DEVICE}, lr {cli.learning_rate}"
+    f"\nseed {cli.seed}, format {cli.format}, loss {' + '.join(cli.loss_type)}, beta {cli.beta}, noise {cli.noise}: "
+    f"one step of {BATCH} pairs, micro-batches of {PER_DEVICE}, lr {cli.learning_rate}"
 )
 names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]
 harness.step_report(

@@ -9,6 +9,7 @@ rounding.
     python benchmark/same_update/same_update_sft.py --seed 1                      # prompt-completion strings
     python benchmark/same_update/same_update_sft.py --seed 1 --format chat        # prompt-completion chat messages
     python benchmark/same_update/same_update_sft.py --seed 1 --format messages    # conversations with tool calls
+    python benchmark/same_update/same_update_sft.py --seed 1 --loss_type dft      # DFT (each NLL times its probability)
 
 The data: --format string and chat are data/preferences.jsonl's 256 prompts with their chosen completions as
 prompt-completion rows (strings: "Question: <the user's message>\\nAnswer:" and " <the completion>", EOS appended by
@@ -30,7 +31,6 @@ _prepare_dataset (EOS, chat template, common-prefix completion mask, labels), it
 num_items_in_batch, the Trainer's loop, fused AdamW and linear schedule."""
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -54,6 +54,7 @@ parser.add_argument("--seed", type=int, default=1, help="picks the batch (sft.py
 parser.add_argument("--format", choices=["string", "chat", "messages"], default="string", help="the rows' format")
 parser.add_argument("--model", default=harness.SMOLLM2)
 parser.add_argument("--learning_rate", type=float, default=2e-5)
+parser.add_argument("--loss_type", choices=["nll", "dft"], default="nll", help="dft: each token's NLL times its probability")
 cli = parser.parse_args()
 PER_DEVICE, ACCUMULATION = 4, 2
 BATCH = PER_DEVICE * ACCUMULATION
@@ -84,14 +85,11 @@ flags = [
     "--total_episodes", str(BATCH), "--per_device_train_batch_size", str(PER_DEVICE),
     "--gradient_accumulation_steps", str(ACCUMULATION), "--learning_rate", str(cli.learning_rate),
     "--output_dir", f"{tmp}/ours", *(["--chat_template", TEMPLATE] if cli.format == "messages" else []),
+    "--loss_type", cli.loss_type,
 ]  # fmt: skip
 sft.main(tyro.cli(sft.Args, args=flags, use_underscores=True))
-ours = watch.take()
-gc.collect()  # our run, its model and optimiser
-rows = watch.rows  # our rendering of every row: {"ids", "mask"}
-order = [i for micro in ours["micro_batches"] for i in micro]
-our_row = [json.loads(line) for line in open(f"{tmp}/ours/metrics.jsonl") if '"lr"' in line][0]  # the update's
-w_ours = load_file(f"{tmp}/ours/model.safetensors")
+# rows: our rendering of every row: {"ids", "mask"}
+ours, rows, order, our_row, w_ours = harness.our_step(watch, f"{tmp}/ours")
 print(f"ours: {len(ours['steps'])} optimiser step, micro-batches {ours['micro_batches']} of {len(rows)} rows")
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -109,6 +107,7 @@ config = harness.trl_step_config(
     ACCUMULATION,
     max_length=1024,  # ours
     chat_template_path=TEMPLATE if cli.format == "messages" else None,
+    loss_type=cli.loss_type,
 )
 logs = harness.trl_logs()
 trainer = SFTTrainer(
@@ -140,7 +139,8 @@ w_trl = {n: p.detach() for n, p in trainer.model.named_parameters()}
 # ------------------------------------------------------------------------------------------------------------------
 # 4. comparison
 print(
-    f"\nseed {cli.seed}, format {cli.format}: one step of {BATCH} rows, micro-batches of {PER_DEVICE}, lr {cli.learning_rate}"
+    f"\nseed {cli.seed}, format {cli.format}, loss {cli.loss_type}: one step of {BATCH} rows, micro-batches of {PER_DEVICE}, "
+    f"lr {cli.learning_rate}"
 )
 harness.step_report(ours, trl, our_row, trl_row, [("loss/sft", "loss")], (w_start, w_ours, w_trl), cli.learning_rate)
 shutil.rmtree(tmp)  # the saved models
