@@ -40,6 +40,10 @@ class SFTArgs:
     padding_free: bool = False
     """run each micro-batch without its padding, packed into rows (TRL's name): the same loss and gradients, less
     compute where rows differ in length; for the models whose attention takes a packed row exactly (refused elsewhere)"""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    """a row over --max_length keeps its first tokens, or its last (TRL's)"""
+    router_aux_loss_coef: Optional[float] = None
+    """an MoE model's router load-balancing loss times this joins the loss (TRL's; None: the model config's own)"""
     loss_type: Literal["nll", "dft"] = "nll"
     """nll: each learnt token's negative log-likelihood; dft: times its probability, detached (Dynamic Fine-Tuning)"""
     dataset_text_field: str = "text"
@@ -63,10 +67,11 @@ def learnt_tokens(batch):
     return batch.loss_mask[:, 1:] & real[:, 1:] & real[:, :-1]
 
 
-def nll(model, batch, padding_free=False):
+def nll(model, batch, padding_free=False, router=False):
     """The negative log-likelihood of each token the loss covers (0 elsewhere), those tokens, and whether the model's
     most likely token was each; all (rows, keep): the last `keep` tokens of the left-padded rows, from the first column
-    any row learns (a prompt's logits are never computed: TL;DR's prompts are 10x their summaries)"""
+    any row learns (a prompt's logits are never computed: TL;DR's prompts are 10x their summaries). router: then also
+    an MoE model's router load-balancing loss over the micro-batch's real tokens (TRL's aux_loss)."""
     learnt = learnt_tokens(batch)  # (rows, width - 1): token t + 1 is learnt
     keep = learnt.shape[1] - int(learnt.any(0).float().argmax())
     targets, mask = batch.input_ids[:, -keep:], learnt[:, -keep:]
@@ -78,9 +83,12 @@ def nll(model, batch, padding_free=False):
         losses = torch.zeros(mask.shape, device=logits.device).masked_scatter(mask, -logprobs)  # back to (rows, keep)
         return losses, mask, torch.zeros_like(mask).masked_scatter(mask, logits.argmax(-1) == targets[mask])
     # position t predicts token t + 1: the logits of the last keep + 1 positions, less the last
-    logits = utils.forward(model, batch.input_ids, batch.attention_mask, logits_to_keep=keep + 1).logits[:, :-1]
+    extra = dict(output_router_logits=True) if router else {}
+    out = utils.forward(model, batch.input_ids, batch.attention_mask, logits_to_keep=keep + 1, **extra)
+    logits = out.logits[:, :-1]
     logprobs = utils.logprobs_from_logits(logits, targets)
-    return -logprobs.masked_fill(~mask, 0.0), mask, (logits.argmax(-1) == targets) & mask
+    losses, right = -logprobs.masked_fill(~mask, 0.0), (logits.argmax(-1) == targets) & mask
+    return (losses, mask, right, out.aux_loss) if router else (losses, mask, right)
 
 
 def main(args):
@@ -91,12 +99,16 @@ def main(args):
         completion_only_loss=args.completion_only_loss,
         assistant_only_loss=args.assistant_only_loss,
         text_field=args.dataset_text_field,
+        keep_end=args.truncation_mode == "keep_end",
     )
     run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
     data = infra.load_examples(run, rows)  # their batches
     model, _ = infra.load_model(run)  # (LoRA, gradient checkpointing)
     if args.padding_free and not utils.can_pack(model.config, args.max_length or math.inf):
         utils.die(f"--padding_free: this {model.config.model_type} model's attention cannot run a packed row exactly")
+    router = infra.router_coef(model, args.router_aux_loss_coef)  # 0 but for a mixture of experts
+    if router and args.padding_free:
+        utils.die("--padding_free packs rows, whose router loss would mix them: an MoE's runs padded")
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(model, args.weight_decay)
@@ -133,10 +145,11 @@ def main(args):
             tokens = run.reduce_sum(sum(learnt_tokens(b).sum() for b in mini_batch))
             for batch in mini_batch:
                 with accelerator.accumulate(model):
-                    losses, mask, right = nll(model, batch, args.padding_free)
+                    losses, mask, right, *aux = nll(model, batch, args.padding_free, router=router != 0)
                     if args.loss_type == "dft":  # DFT (Wu et al. 2025): each token's NLL times its probability
                         losses = losses * torch.exp(-losses).detach()
                     loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size
+                    loss = loss + router * aux[0] if aux else loss  # (an MoE's router loss, TRL's aux_loss)
                     run.check_finite(loss)
                     accelerator.backward(loss)
                     run.clip_gradients(model)  # --max_grad_norm; stops on a non-finite gradient
@@ -145,7 +158,7 @@ def main(args):
                     run.update_ema(model)  # --ema_beta
 
                     stats.add_tokens(mask, **{"loss/sft": losses, "train/mean_token_accuracy": right})
-                    stats.add(**{"train/num_tokens": mask.sum()})
+                    stats.add(**{"train/num_tokens": mask.sum()}, **({"aux_loss": aux[0]} if aux else {}))
         model.eval()
 
         run.log_stats(stats, lr=lr)  # metrics.jsonl, TensorBoard, wandb

@@ -78,12 +78,12 @@ class ExampleArgs(TrainArgs):
 
 
 def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss, what="token to learn",
-             text_field="text"):  # fmt: skip
+             text_field="text", keep_end=False):  # fmt: skip
     """SFT's rows, {"ids", "mask"}: TRL's language-modeling (a `text` column, or text_field), prompt-completion
     (`prompt`, `completion`) or conversational (`messages`) formats; mask: the tokens the loss covers (the completion's
     with completion_only_loss, the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the
-    start (TRL's keep_start); a row left with no token the loss covers is dropped, as TRL drops it, with a note (`what`
-    it lacks) of how many."""
+    start (TRL's keep_start; keep_end: from the end); a row left with no token the loss covers is dropped, as TRL drops
+    it, with a note (`what` it lacks) of how many."""
     columns = ds.column_names
     if "messages" in columns:
         kind = "messages"
@@ -116,7 +116,8 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
                 die(f"{where}, row {i}: empty text")
             ids = tokenizer(with_eos(tokenizer, row[text_field]))["input_ids"]
             mask = [True] * len(ids)
-        ids, mask = ids[:max_length], mask[:max_length]
+        cut = slice(None, max_length) if not keep_end or max_length is None else slice(-max_length, None)
+        ids, mask = ids[cut], mask[cut]
         if not any(mask[1:]):  # (the first token is predicted by nothing)
             dropped += 1
             continue

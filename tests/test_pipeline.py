@@ -561,6 +561,18 @@ def test_sft_dft_loss_and_trls_data_names(run, tmp_path, tiny_model_dir):
     assert args.chat_template == f"{tmp_path}/t.jsonl" and args.chat_template_path is None
 
 
+def test_sft_keep_end_cuts_a_long_row_from_its_start(tiny_model_dir):
+    """--truncation_mode keep_end: a row over --max_length keeps its last tokens and their loss mask (TRL's keep_end);
+    keep_start its first"""
+    tok = tokenizer_of(tiny_model_dir)
+    rows = [{"prompt": "Tell me about the river " * 8, "completion": " sunny bright warm"}]
+    whole = offline.sft_rows(tok, rows_dataset(rows), "t", None, None, False)[0]
+    end = offline.sft_rows(tok, rows_dataset(rows), "t", 12, None, False, keep_end=True)[0]
+    assert end == {"ids": whole["ids"][-12:], "mask": whole["mask"][-12:]} and len(whole["ids"]) > 24
+    with pytest.raises(SystemExit):  # keep_start: the completion cut off, no token to learn
+        offline.sft_rows(tok, rows_dataset(rows), "t", 12, None, False)
+
+
 def test_sft_leaves_out_the_rows_with_no_token_to_learn_within_max_length(tiny_model_dir, tmp_path, capsys):
     """A row whose prompt fills --max_length is left out with one note (TRL drops it after its cut), the others kept
     as rendered, cut to --max_length; every row left out: one error line. reward.py's reference completions
