@@ -119,6 +119,15 @@ def pair_logprobs(model, batch, ld_alpha=None, wpo=False):
     return (per_token * weight).sum(1).reshape(-1, 2), per_token.sum(1).reshape(-1, 2), weights
 
 
+def sequence_nll(model, batch):
+    """ORPO's NLL as TRL's ORPOTrainer computes it: over each chosen row's every token, prompt and completion (each but
+    the row's first, predicted by the one before it), the mean over the micro-batch's chosen rows"""
+    ids, mask = batch.input_ids[::2], batch.attention_mask[::2]
+    logprobs = utils.logprobs_from_logits(utils.forward(model, ids, mask).logits[:, :-1], ids[:, 1:])
+    counted = mask[:, 1:].bool() & mask[:, :-1].bool()
+    return -(logprobs * counted).sum() / counted.sum().clamp(min=1)
+
+
 def f_scores(logratios, kind, alpha):
     """f-DPO (Wang et al. 2023): f'(pi / pi_ref) of each log-ratio for the f-divergence `kind` (reverse_kl: itself)"""
     if kind == "forward_kl":
@@ -134,8 +143,8 @@ def dpo_loss(loss_type, logps, ref_logps, tokens, args, sft_nll=None, counts=Non
     """Each pair's loss (pairs,) by one --loss_type, as TRL 1.16 computes it (simpo, cpo: its experimental CPOTrainer;
     orpo: its ORPOTrainer), from the completions' log-probabilities logps and the reference's ref_logps, (pairs, 2)
     chosen then rejected; tokens: their token counts (the first included), counts: those a logprob sums, (pairs, 2);
-    sft_nll: the micro-batch's mean NLL of the chosen tokens. c, r: the chosen and rejected log-ratios; d: their
-    f-scores' difference (c - r with the reverse KL); e: --label_smoothing."""
+    sft_nll: the micro-batch's mean NLL of the chosen tokens (orpo: of the chosen rows, prompt too, sequence_nll). c, r:
+    the chosen and rejected log-ratios; d: their f-scores' difference (c - r with the reverse KL); e: --label_smoothing."""
     b, e = args.beta, args.label_smoothing
     logratios = logps - ref_logps
     c, r = logratios[:, 0], logratios[:, 1]
@@ -242,15 +251,22 @@ def main(args):
         cached = run.reduce_sum(cached)
         ref_policy = None
 
+    def policy_pass(batch):  # the policy's logprobs (pairs, 2), plainly summed too, WPO's weights, ORPO's NLL
+        logps, plain, wpo = pair_logprobs(policy, batch, args.ld_alpha, args.use_weighting)
+        return logps, plain, wpo, sequence_nll(policy, batch) if "orpo" in types else None
+
     def dpo(batch, policy_pass, ref):  # the micro-batch's loss: each --loss_type's pair mean, weighted and summed
-        logps, plain, wpo = policy_pass  # (pairs, 2) twice, WPO's (pairs,) or None
+        logps, plain, wpo, whole_nll = policy_pass
         # SFT's: the chosen completions' mean NLL over their tokens (those a logprob sums), without LD-DPO's weights
         sft_nll = -plain[:, 0].sum() / batch.logprob_mask[::2].sum().clamp(min=1)
         tokens = batch.lengths.reshape(-1, 2)  # (each completion's, its first token included: TRL's IPO)
         counts = batch.logprob_mask.sum(1).reshape(-1, 2)  # (the tokens a logprob sums: SimPO's and ORPO's means)
         loss = 0.0
         for kind, weight in zip(types, weights):
-            losses = dpo_loss(kind, logps, ref, tokens, args, sft_nll, counts)
+            if kind in REFERENCE_FREE:  # (TRL's CPO and ORPO trainers have no LD-DPO: their plain sums)
+                losses = dpo_loss(kind, plain, ref, tokens, args, whole_nll if kind == "orpo" else sft_nll, counts)
+            else:
+                losses = dpo_loss(kind, logps, ref, tokens, args, sft_nll, counts)
             loss = loss + weight * (losses * wpo if wpo is not None else losses).mean()
         return loss
 
@@ -270,8 +286,8 @@ def main(args):
         stats = utils.Stats()
         for batch in data.held_out():
             with accelerator.autocast():
-                policy_pass, ref = pair_logprobs(policy, batch, args.ld_alpha, args.use_weighting), ref_logprobs(batch)
-            stats.add(**{"loss/dpo": dpo(batch, policy_pass, ref), **metrics(batch, policy_pass[0], ref)})
+                passed, ref = policy_pass(batch), ref_logprobs(batch)
+            stats.add(**{"loss/dpo": dpo(batch, passed, ref), **metrics(batch, passed[0], ref)})
         if data.held_out_rows is None:
             return None
         return {f"eval/{name}": value for name, value in run.reduce_stats(stats).items()}
@@ -289,9 +305,9 @@ def main(args):
             for batch in mini_batch:
                 ref = cached[batch.index] if cached is not None else ref_logprobs(batch)
                 with accelerator.accumulate(policy):
-                    policy_pass = pair_logprobs(policy, batch, args.ld_alpha, args.use_weighting)  # (pairs, 2), ...
+                    passed = policy_pass(batch)  # (pairs, 2), ...
                     # DPO: the log-ratios to the reference are the implicit rewards (over beta)
-                    loss = dpo(batch, policy_pass, ref)
+                    loss = dpo(batch, passed, ref)
                     run.check_finite(loss)
                     accelerator.backward(loss)
                     run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
@@ -299,7 +315,7 @@ def main(args):
                     optimizer.zero_grad()
                     run.update_ema(policy)  # --ema_beta
 
-                    stats.add(**{"loss/dpo": loss, **metrics(batch, policy_pass[0], ref)})
+                    stats.add(**{"loss/dpo": loss, **metrics(batch, passed[0], ref)})
             # TR-DPO (TRL's sync_ref_model): every ref_model_sync_steps optimiser steps the reference moves to the policy
             if args.sync_ref_model and ((update - 1) * args.num_mini_batches + mb + 1) % args.ref_model_sync_steps == 0:
                 utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)

@@ -42,8 +42,9 @@ class ExampleArgs(TrainArgs):
     eval_batch_size: int = 16
     """held-out examples per forward pass, per process"""
     max_length: Optional[int] = 1024
-    """the most tokens of an example, prompt and completion (TRL's max_length): sft.py cuts from the start (a row left
-    with no token to learn is left out), reward.py leaves a longer pair out, dpo.py cuts the completions"""
+    """the most tokens of an example, prompt and completion (TRL's max_length): sft.py cuts from the start (or the end,
+    --truncation_mode; a row left with no token to learn is left out), reward.py leaves a longer pair out, dpo.py and
+    kto.py cut the completions (an example whose prompt fills it is left out)"""
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
     chat_template_path: Optional[str] = None

@@ -300,7 +300,7 @@ def test_reference_free_losses_equal_trls_experimental_trainers():
 def test_ld_alpha_and_wpo_weights_match_a_token_loop(tiny_model_dir):
     """pair_logprobs against each completion run alone, token by token: LD-DPO's sum (the tokens past the shorter
     completion's count weighted ld_alpha), the plain sum, and WPO's weight: exp of the mean over each completion's
-    tokens of log p - log sum_v p_v^2, chosen's times rejected's"""
+    tokens of log p - log sum_v p_v^2, chosen's times rejected's; and sequence_nll (ORPO's, over prompt and completion)"""
     from transformers import AutoModelForCausalLM
 
     import dpo
@@ -324,6 +324,13 @@ def test_ld_alpha_and_wpo_weights_match_a_token_loop(tiny_model_dir):
                 squares = [torch.logsumexp(2 * logp[t], -1).item() for t in range(len(completion))]
                 weight *= math.exp(sum(x - q for x, q in zip(token, squares)) / len(completion))
             assert wpo[j].item() == pytest.approx(weight, rel=1e-3)
+        # ORPO's NLL, TRL's: every token of each chosen row (prompt and completion) but its first, run alone
+        nll, count = 0.0, 0
+        for row in rows:
+            ids = row["prompt"] + row["chosen"]
+            logp = policy(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+            nll, count = nll - sum(logp[t - 1, ids[t]].item() for t in range(1, len(ids))), count + len(ids) - 1
+        assert dpo.sequence_nll(policy, batch).item() == pytest.approx(nll / count, rel=1e-4)
 
 
 def pair_batch(model_dir, rows, tokenizer):

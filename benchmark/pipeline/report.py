@@ -86,15 +86,27 @@ def rlhf():
             learnt_curve = [[r["rewards/rm/mean"] for r in rows if "rewards/rm/mean" in r][:width] for rows in got.values()]
             harness.band(ax[1], episodes, learnt_curve, "learnt reward (its offset subtracted)")
             harness.band(ax[1], episodes, [t[:width] for t in train], "true score", linestyle="--")
-    dpo = runs(folder, "dpo_eval")
-    if dpo:  # (the sentiment its one source: eval/scores)
-        after = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in dpo.values()]
-        lines.append(f"| dpo.py on the same pairs (1 epoch) | {' '.join(map(str, dpo))} | (as above) | | {cell(after)} | |")
-    dpo_runs = runs(folder, "dpo")
-    if dpo_runs:
-        margins = [evals(rows, "eval/rewards/margins")[-1]["eval/rewards/margins"] for rows in dpo_runs.values()]
-        accuracy = [evals(rows, "eval/rewards/accuracies")[-1]["eval/rewards/accuracies"] for rows in dpo_runs.values()]
-        lines += ["", f"dpo.py's held-out implicit-reward accuracy {cell(accuracy)}, margin {cell(margins)}."]
+    offline = [  # (run, the table's label, the name its sentence gives it)
+        ("dpo", "dpo.py on the same pairs (1 epoch)", "dpo.py"),
+        ("kto", "kto.py on them unpaired (1 epoch)", "kto.py"),
+        ("simpo", "dpo.py --loss_type simpo (SimPO, no reference)", "SimPO"),
+        ("orpo", "dpo.py --loss_type orpo (ORPO, no reference)", "ORPO"),
+    ]
+    for name, label, _ in offline:
+        got = runs(folder, f"{name}_eval")
+        if got:  # (the sentiment its one source: eval/scores)
+            after = [evals(rows, "eval/scores")[0]["eval/scores"] for rows in got.values()]
+            lines.append(f"| {label} | {' '.join(map(str, got))} | (as above) | | {cell(after)} | |")
+    for name, _, short in offline:
+        trained = runs(folder, name)
+        if name == "kto" and trained:  # (labelled completions: no pair to rank)
+            last = [evals(rows, "eval/rewards/chosen")[-1] for rows in trained.values()]
+            gap = [r["eval/rewards/chosen"] - r["eval/rewards/rejected"] for r in last]
+            lines += ["", f"{short}'s held-out implicit reward, desirable less undesirable: {cell(gap)}."]
+        elif trained:
+            last = [evals(rows, "eval/rewards/margins")[-1] for rows in trained.values()]
+            margins, accuracy = [r["eval/rewards/margins"] for r in last], [r["eval/rewards/accuracies"] for r in last]
+            lines += ["", f"{short}'s held-out implicit-reward accuracy {cell(accuracy)}, margin {cell(margins)}."]
     lines += ["", *overoptimisation(folder, rl["rloo_rm"], ax[2])]
     ax[0].set(xlabel="episodes", ylabel="true sentiment of the training completions", title="the true score")
     ax[1].set(xlabel="episodes", title="rloo.py on the learnt reward")

@@ -237,10 +237,10 @@ def trl_side():
         prompt = [len(r["prompt"]) for r in ours]
         completion = [len(r[c]) for r in ours for c in ("chosen", "rejected")]
     rendering = {
-        "rows": len(dataset),
+        "rows": len(dataset) * (2 if task == "kto" else 1),  # (kto: the pairs' examples, unpaired)
         "rows_ours": len(ours),
         "rows_trl": len(prepared),
-        "rows_same_tokens": sum(same) if len(ours) == len(prepared) == len(dataset) else 0,
+        "rows_same_tokens": sum(same) if len(ours) == len(prepared) == len(dataset) * (2 if task == "kto" else 1) else 0,
         "prompt_tokens_mean": statistics.mean(prompt),
         "completion_tokens_mean": statistics.mean(completion),
         "prompt_tokens_range": [min(prompt), max(prompt)],
