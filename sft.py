@@ -92,6 +92,7 @@ def nll(model, batch, padding_free=False, router=False):
 
 
 def main(args):
+    infra.at_least(args, 0, "router_aux_loss_coef")
     # the tokenizer and every row rendered and checked (with no token to learn within --max_length: left out, as TRL),
     # before anything is written
     rows = infra.read_examples(
