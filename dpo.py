@@ -244,7 +244,7 @@ def main(args):
             return pair_logprobs(ref, batch, args.ld_alpha)[0]
 
     cached = None
-    if args.precompute_ref_log_probs:  # every pair's, once, on all processes (each computes its share)
+    if args.precompute_ref_log_probs and reference:  # every pair's, once, on all processes (each computes its share)
         cached = torch.zeros(len(data), 2, device=run.device)
         for batch in data.all_rows(args.precompute_ref_batch_size):
             cached[batch.index] = ref_logprobs(batch)
@@ -255,8 +255,8 @@ def main(args):
         logps, plain, wpo = pair_logprobs(policy, batch, args.ld_alpha, args.use_weighting)
         return logps, plain, wpo, sequence_nll(policy, batch) if "orpo" in types else None
 
-    def dpo(batch, policy_pass, ref):  # the micro-batch's loss: each --loss_type's pair mean, weighted and summed
-        logps, plain, wpo, whole_nll = policy_pass
+    def dpo(batch, passed, ref):  # the micro-batch's loss: each --loss_type's pair mean, weighted and summed
+        logps, plain, wpo, whole_nll = passed  # (policy_pass's)
         # SFT's: the chosen completions' mean NLL over their tokens (those a logprob sums), without LD-DPO's weights
         sft_nll = -plain[:, 0].sum() / batch.logprob_mask[::2].sum().clamp(min=1)
         tokens = batch.lengths.reshape(-1, 2)  # (each completion's, its first token included: TRL's IPO)
