@@ -51,8 +51,8 @@ class SFTArgs:
 
 
 @dataclass
-class Args(infra.ExampleArgs, SFTArgs):
-    """SFT's flags, then the run's, the model's and the data's (infra/offline.py), with SFT's defaults below."""
+class Args(infra.ExampleArgs, infra.PackingArgs, SFTArgs):
+    """SFT's flags, then the run's, the model's and the data's (infra/offline.py, packing.py), SFT's defaults below."""
 
     dataset_name: str = "data/calculator_sft.jsonl"
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats: `messages`
@@ -101,7 +101,9 @@ def main(args):
         assistant_only_loss=args.assistant_only_loss,
         text_field=args.dataset_text_field,
         keep_end=args.truncation_mode == "keep_end",
+        whole=args.packing,
     )
+    rows = infra.lay_out(rows, args, keep_end=args.truncation_mode == "keep_end")  # --packing, --shuffle_dataset
     run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
     data = infra.load_examples(run, rows)  # their batches
     model, _ = infra.load_model(run)  # (LoRA, gradient checkpointing)
@@ -110,6 +112,9 @@ def main(args):
     router = infra.router_coef(model, args.router_aux_loss_coef)  # 0 but for a mixture of experts
     if router and args.padding_free:
         utils.die("--padding_free packs rows, whose router loss would mix them: an MoE's runs padded")
+    # --packing's bfd: its examples run apart (TRL's padding-free), where the model can (else padded: the same values)
+    bfd = args.packing and args.packing_strategy != "wrapped" and not router
+    padding_free = args.padding_free or (bfd and utils.can_pack(model.config, args.max_length))
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(model, args.weight_decay)
@@ -123,7 +128,7 @@ def main(args):
         totals = torch.zeros(3, device=run.device)
         for batch in data.held_out():
             with accelerator.autocast():
-                losses, mask, right = nll(model, batch, args.padding_free)
+                losses, mask, right = nll(model, batch, padding_free)
             losses = losses * torch.exp(-losses) if args.loss_type == "dft" else losses
             totals += torch.stack([losses.sum(), right.sum(), mask.sum()]).float()
         if data.held_out_rows is None:
@@ -146,7 +151,7 @@ def main(args):
             tokens = run.reduce_sum(sum(learnt_tokens(b).sum() for b in mini_batch))
             for batch in mini_batch:
                 with accelerator.accumulate(model):
-                    losses, mask, right, *aux = nll(model, batch, args.padding_free, router=router != 0)
+                    losses, mask, right, *aux = nll(model, batch, padding_free, router=router != 0)
                     if args.loss_type == "dft":  # DFT (Wu et al. 2025): each token's NLL times its probability
                         losses = losses * torch.exp(-losses).detach()
                     loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size

@@ -16,7 +16,8 @@
     run           start() and Run: the processes, the batch sizes and each step's plumbing
     render        TRL's rules for a dataset's row as token ids: chat templates, the completion's tokens, implicit prompts
     offline       sft.py, reward.py, dpo.py and kto.py's: their flags, datasets in TRL's formats, batches of examples,
-                  pairs or labelled completions, sft.py's packed without padding
+                  pairs or labelled completions
+    packing       sft.py's examples packed into rows (TRL's bfd, bfd_split, wrapped); a micro-batch run without padding
     tldr          the TL;DR benchmark's flags, held-out set, evaluation and judge (rloo_tldr.py, ppo_tldr.py)
 
 The libraries made for each job do the work (accelerate, transformers, datasets, TensorBoard, wandb, huggingface_hub,
@@ -29,13 +30,13 @@ from .flags import DataArgs, DynamicSamplingArgs, EnvArgs, EvalArgs, RefSyncArgs
 from .models import load_policy, load_policy_and_critic, prepare, router_coef
 from .offline import (
     ExampleArgs,
-    forward_packed,
     load_examples,
     load_model,
     load_references,
     read_examples,
     save_reward_input,
 )
+from .packing import PackingArgs, forward_packed, lay_out
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
 from .run_flags import RunArgs
@@ -43,7 +44,7 @@ from .tldr import TldrArgs
 
 __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "DynamicSamplingArgs", "RefSyncArgs", "RolloutArgs", "RunArgs", "TldrArgs",
-    "ExampleArgs",
+    "ExampleArgs", "PackingArgs", "lay_out",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
     "json_object", "at_least", "router_coef",

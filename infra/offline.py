@@ -11,11 +11,12 @@ from typing import Literal, Optional
 import torch
 from transformers import AutoModelForCausalLM
 
-from utils import die, init_value_head, packed_mask
+from utils import die, init_value_head
 
 from .data import Shuffled, check_paths, note, read_dataset
 from .flags import json_object
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
+from .packing import cut
 from .render import assistant_mask, empty, implicit_prompt, is_chat, render, template_ids, tools_of, with_eos
 from .run_flags import TrainArgs
 
@@ -79,12 +80,11 @@ class ExampleArgs(TrainArgs):
 
 
 def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_only_loss, what="token to learn",
-             text_field="text", keep_end=False):  # fmt: skip
+             text_field="text", keep_end=False, whole=False):  # fmt: skip
     """SFT's rows, {"ids", "mask"}: TRL's language-modeling (a `text` column, or text_field), prompt-completion
     (`prompt`, `completion`) or conversational (`messages`) formats; mask: the tokens the loss covers (the completion's
-    with completion_only_loss, the assistant's with assistant_only_loss, else all). Cut to max_length tokens from the
-    start (TRL's keep_start; keep_end: from the end); a row left with no token the loss covers is dropped, as TRL drops
-    it, with a note (`what` it lacks) of how many."""
+    with completion_only_loss, the assistant's with assistant_only_loss, else all). Cut to max_length (packing.cut; whole:
+    left whole, for --packing)."""
     columns = ds.column_names
     if "messages" in columns:
         kind = "messages"
@@ -98,7 +98,7 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
         die("--assistant_only_loss needs conversations (a `messages` column)")
     if completion_only_loss and kind != "prompt-completion":
         die("--completion_only_loss needs a `prompt` and a `completion` column")
-    rows, dropped = [], 0
+    rows = []
     for i, row in enumerate(ds):
         tools = tools_of(row)
         if kind == "messages":
@@ -117,17 +117,8 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
                 die(f"{where}, row {i}: empty text")
             ids = tokenizer(with_eos(tokenizer, row[text_field]))["input_ids"]
             mask = [True] * len(ids)
-        cut = slice(None, max_length) if not keep_end or max_length is None else slice(-max_length, None)
-        ids, mask = ids[cut], mask[cut]
-        if not any(mask[1:]):  # (the first token is predicted by nothing)
-            dropped += 1
-            continue
         rows.append({"ids": ids, "mask": mask})
-    if dropped:
-        note(f"{dropped} of {len(ds)} rows in {where} have no {what} within --max_length {max_length}: left out")
-    if not rows:
-        die(f"every row in {where} has no {what} within --max_length {max_length}")
-    return rows
+    return rows if whole else cut(rows, max_length, keep_end, where, what)
 
 
 def pair_rows(tokenizer, ds, where, max_length, truncate):
@@ -305,6 +296,7 @@ class Examples:
         picked = [rows[i] for i in index]
         device = self.run.device
         if not self.pairs:  # SFT: left-padded rows (their completions end together), and the tokens the loss covers
+            picked = [r for bin in picked for r in bin.get("docs", [bin])]  # (--packing's bfd: each example its row)
             width = max(len(r["ids"]) for r in picked)
             ids = torch.full((len(picked), width), self.pad, dtype=torch.long)
             attention, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
@@ -394,42 +386,3 @@ def save_reward_input(run, model, offset):
     before the offset."""
     config = run.accelerator.unwrap_model(model).config
     config.reward_input = {"rendering": "conversation", "offset": offset}
-
-
-def forward_packed(model, input_ids, attention_mask, wanted):
-    """utils.forward()'s logits at the columns `wanted` marks ((rows, width) bools, taken row by row), for padded rows run
-    without their padding (TRL's padding_free), packed into as few rows of the longest row's length as hold them
-    (first fit, longest first; each row's tokens at the positions they have alone, placed from a packed row's end, so
-    that a row alone in one is laid out as with left padding), under an attention mask that lets a token see its own
-    row's up to itself. Never more columns than the padded rows (fewer where their lengths differ), and the logits of
-    the wanted columns only. The same values and gradients as forward() (tested) for every model utils.can_pack() takes at
-    the rows' length. Returns (wanted, vocab)."""
-    real = attention_mask.bool()
-    lengths = real.sum(1).tolist()
-    width, room, spans = max(lengths), [], {}  # spans: row -> (packed row, first column)
-    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        b = next((b for b, left in enumerate(room) if left >= lengths[r]), len(room))
-        room += [width] if b == len(room) else []
-        room[b] -= lengths[r]
-        spans[r] = (b, room[b])
-    device = input_ids.device
-    ids = torch.zeros(len(room), width, dtype=input_ids.dtype, device=device)
-    places, part = torch.zeros_like(ids), torch.full_like(ids, -1)  # part: each column's row (-1: padding)
-    for r, (b, start) in spans.items():
-        columns = slice(start, start + lengths[r])
-        ids[b, columns], part[b, columns] = input_ids[r][real[r]], r
-        places[b, columns] = torch.arange(lengths[r], device=device)
-    col = torch.arange(width, device=device)
-    sees = (part[:, None, :] == part[:, :, None]) & (col[None, None, :] <= col[None, :, None]) & (part[:, None, :] >= 0)
-    attention = packed_mask(getattr(model, "module", model).config, sees)  # (packed rows, 1, width, width)
-    # each wanted column's packed row and column, taken row by row; the model's logits of exactly those, in the packed
-    # rows' order (a boolean logits_to_keep), put back in the wanted order
-    rows, cols = wanted.nonzero(as_tuple=True)
-    index = real.long().cumsum(1) - 1  # a real token's place among its row's
-    where = torch.tensor([spans[r] for r in range(len(lengths))], device=device)[rows]  # (wanted, 2)
-    packed_cols = where[:, 1] + index[rows, cols]
-    keep = torch.zeros_like(part, dtype=torch.bool)
-    keep[where[:, 0], packed_cols] = True
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
-    places_in_order = where[:, 0] * width + packed_cols
-    return logits[torch.searchsorted(places_in_order.sort().values, places_in_order)]  # (wanted, vocab)

@@ -10,6 +10,9 @@ rounding.
     python benchmark/same_update/same_update_sft.py --seed 1 --format chat        # prompt-completion chat messages
     python benchmark/same_update/same_update_sft.py --seed 1 --format messages    # conversations with tool calls
     python benchmark/same_update/same_update_sft.py --seed 1 --loss_type dft      # DFT (each NLL times its probability)
+    python benchmark/same_update/same_update_sft.py --seed 1 --packing bfd        # rows packed by best fit decreasing
+    python benchmark/same_update/same_update_sft.py --seed 1 --packing wrapped    # the tokens end to end, cut
+    python benchmark/same_update/same_update_sft.py --seed 1 --format messages --packing bfd_split --shuffle_dataset
 
 The data: --format string and chat are data/preferences.jsonl's 256 prompts with their chosen completions as
 prompt-completion rows (strings: "Question: <the user's message>\\nAnswer:" and " <the completion>", EOS appended by
@@ -21,7 +24,9 @@ micro-batches of 4, two gradient-accumulation steps, so TRL's num_items_in_batch
 micro-batches, counted before the first is run) is what each micro-batch's summed loss is divided by; ours divides
 by the same count (sft.py's `tokens`). SmolLM2-135M-Instruct, fp32, learning rate 2e-5 (sft.py's default) at its
 full value for the step (ours: annealed linearly over --total_episodes 8 = one update; TRL: "linear", max_steps 1,
-no warmup), AdamW eps 1e-5, no weight decay, gradients clipped at 1.0 on both sides.
+no warmup), AdamW eps 1e-5, no weight decay, gradients clipped at 1.0 on both sides. With --packing the rows are
+packed into rows of --max_length 256 tokens on both sides (TRL's pack_dataset; bfd: TRL's padding-free collator, ours
+each example apart), and the batch is 8 packed rows.
 
 Our side is sft.main as `python sft.py --total_episodes 8 --per_device_train_batch_size 4
 --gradient_accumulation_steps 2 ...` runs it, watched (harness.StepWatch: the rows it collates, accelerate's
@@ -55,7 +60,13 @@ parser.add_argument("--format", choices=["string", "chat", "messages"], default=
 parser.add_argument("--model", default=harness.SMOLLM2)
 parser.add_argument("--learning_rate", type=float, default=2e-5)
 parser.add_argument("--loss_type", choices=["nll", "dft"], default="nll", help="dft: each token's NLL times its probability")
+parser.add_argument("--packing", choices=["bfd", "bfd_split", "wrapped"], default=None, help="TRL's packing_strategy")
+parser.add_argument("--shuffle_dataset", action="store_true", help="both sides shuffle the rows by --seed (before packing)")
+parser.add_argument("--max_length", type=int, default=None, help="default: 256 with --packing, else 1024")
 cli = parser.parse_args()
+MAX_LENGTH = cli.max_length or (256 if cli.packing else 1024)
+PACKING = ["--packing", "--packing_strategy", cli.packing] if cli.packing else []
+PACKING += ["--shuffle_dataset"] if cli.shuffle_dataset else []
 PER_DEVICE, ACCUMULATION = 4, 2
 BATCH = PER_DEVICE * ACCUMULATION
 tmp = tempfile.mkdtemp()
@@ -85,7 +96,7 @@ flags = [
     "--total_episodes", str(BATCH), "--per_device_train_batch_size", str(PER_DEVICE),
     "--gradient_accumulation_steps", str(ACCUMULATION), "--learning_rate", str(cli.learning_rate),
     "--output_dir", f"{tmp}/ours", *(["--chat_template", TEMPLATE] if cli.format == "messages" else []),
-    "--loss_type", cli.loss_type,
+    "--loss_type", cli.loss_type, "--max_length", str(MAX_LENGTH), *PACKING,
 ]  # fmt: skip
 sft.main(tyro.cli(sft.Args, args=flags, use_underscores=True))
 # rows: our rendering of every row: {"ids", "mask"}
@@ -105,7 +116,10 @@ config = harness.trl_step_config(
     cli.learning_rate,
     PER_DEVICE,
     ACCUMULATION,
-    max_length=1024,  # ours
+    max_length=MAX_LENGTH,
+    packing=bool(cli.packing),
+    packing_strategy=cli.packing or "bfd",
+    shuffle_dataset=cli.shuffle_dataset,
     chat_template_path=TEMPLATE if cli.format == "messages" else None,
     loss_type=cli.loss_type,
 )
@@ -121,14 +135,22 @@ print(f"TRL {__version__} loaded: {trainer.model.dtype} {trainer.model.config._a
 w_start = load_file(os.path.join(cli.model, "model.safetensors"))
 assert all(torch.equal(p, w_start[n]) for n, p in trainer.model.named_parameters()), "the models start apart"
 
-# the two renderings: every row's tokens, and the tokens the loss covers (TRL: labels != -100)
+# the two renderings: every row's tokens, and the tokens the loss covers (TRL: labels != -100); packed by bfd: each
+# row's examples (ours: "docs"; TRL: seq_lengths)
 prepared = trainer.train_dataset
 assert len(prepared) == len(rows), (len(prepared), len(rows))
-same_ids = sum(prepared[i]["input_ids"] == rows[i]["ids"] for i in range(len(rows)))
-same_mask = sum([label != -100 for label in prepared[i]["labels"]] == rows[i]["mask"] for i in range(len(rows)))
-learnt = [sum(rows[i]["mask"][1:]) for i in order]
+docs = [row.get("docs", [row]) for row in rows]
+ids = [[t for d in row for t in d["ids"]] for row in docs]
+same_ids = sum(prepared[i]["input_ids"] == ids[i] for i in range(len(rows)))
+same_mask = sum(
+    [label != -100 for label in prepared[i]["labels"]] == [m for d in docs[i] for m in d["mask"]] for i in range(len(rows))
+)
+if "seq_lengths" in prepared.column_names:
+    same_bins = sum(prepared[i]["seq_lengths"] == [len(d["ids"]) for d in docs[i]] for i in range(len(rows)))
+    print(f"packing: {same_bins} of {len(rows)} rows hold the same examples, {sum(len(d) for d in docs)} examples")
+learnt = [sum(sum(d["mask"][1:]) for d in docs[i]) for i in order]
 print(f"rendering: {same_ids} of {len(rows)} rows the same tokens, {same_mask} the same learnt tokens")
-print(f"the batch: rows {order}, tokens {[len(rows[i]['ids']) for i in order]}, learnt {learnt} ({sum(learnt)})")
+print(f"the batch: rows {order}, tokens {[len(ids[i]) for i in order]}, learnt {learnt} ({sum(learnt)})")
 
 trainer._get_train_sampler = lambda dataset=None: harness.in_order(order)
 trainer.train()
@@ -139,7 +161,8 @@ w_trl = {n: p.detach() for n, p in trainer.model.named_parameters()}
 # ------------------------------------------------------------------------------------------------------------------
 # 4. comparison
 print(
-    f"\nseed {cli.seed}, format {cli.format}, loss {cli.loss_type}: one step of {BATCH} rows, micro-batches of {PER_DEVICE}, "
+    f"\nseed {cli.seed}, format {cli.format}, loss {cli.loss_type}, packing {cli.packing}: one step of {BATCH} rows, "
+    f"micro-batches of {PER_DEVICE}, "
     f"lr {cli.learning_rate}"
 )
 harness.step_report(ours, trl, our_row, trl_row, [("loss/sft", "loss")], (w_start, w_ours, w_trl), cli.learning_rate)
