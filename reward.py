@@ -18,6 +18,7 @@ With a hub dataset, on GPUs:
         --dataset_name trl-lib/ultrafeedback_binarized --eval_dataset_name trl-lib/ultrafeedback_binarized
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,6 +45,10 @@ class RewardArgs:
     None: the training pairs' completions, chosen and rejected"""
     normalize_split: str = "train"
     """the split of --normalize_dataset_name"""
+    padding_free: bool = False
+    """run each completion with its prompt whole, a micro-batch's rows packed without their padding (sft.py's name):
+    less compute where completions differ in length, more where long prompts are then run twice (refused where a
+    packed row is not exact)"""
 
 
 @dataclass
@@ -59,8 +64,14 @@ class Args(infra.ExampleArgs, RewardArgs):
     """pairs per forward/backward pass on each device"""
 
 
-def pair_rewards(model, head, batch):
-    """Each completion's score (pairs, 2): chosen, rejected; read at its last token, the pair's prompt run once"""
+def pair_rewards(model, head, batch, padding_free=False):
+    """Each completion's score (pairs, 2): chosen, rejected; read at its last token, the pair's prompt run once
+    (padding_free: with each completion, the rows packed without padding)"""
+    if padding_free:
+        wanted = torch.zeros_like(batch.attention_mask, dtype=torch.bool)  # each row's last token
+        wanted[torch.arange(len(wanted), device=wanted.device), batch.context_length + batch.lengths - 1] = True
+        last = infra.forward_packed(model, batch.input_ids, batch.attention_mask, wanted, hidden=True)  # (rows, hidden)
+        return head(last).float().reshape(-1, 2)
     width = batch.input_ids.shape[1] - batch.context_length
     hidden = utils.forward_grouped(
         model,
@@ -91,6 +102,8 @@ def main(args):
     data = infra.load_examples(run, rows)  # their batches, each pair's prompt once then its two completions
     references = infra.load_references(run, args.normalize_dataset_name, args.normalize_split)  # (None: the pairs')
     model, _ = infra.load_model(run, score_head=True)
+    if args.padding_free and not utils.can_pack(model.config, args.max_length or math.inf):
+        utils.die(f"--padding_free: this {model.config.model_type} model's attention cannot run a packed row exactly")
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(model, args.weight_decay)
@@ -105,7 +118,7 @@ def main(args):
         totals = torch.zeros(3, device=run.device)
         for batch in data.held_out():
             with accelerator.autocast():
-                rewards = pair_rewards(model, head, batch)
+                rewards = pair_rewards(model, head, batch, args.padding_free)
             margin = rewards[:, 0] - rewards[:, 1]
             totals += torch.stack([(margin > 0).sum(), margin.sum(), torch.tensor(len(margin), device=run.device)])
         if data.held_out_rows is None:
@@ -125,7 +138,7 @@ def main(args):
         for mini_batch in data.update():  # this process's share of each mini-batch, in micro-batches
             for batch in mini_batch:
                 with accelerator.accumulate(model):
-                    rewards = pair_rewards(model, head, batch)  # (pairs, 2)
+                    rewards = pair_rewards(model, head, batch, args.padding_free)  # (pairs, 2)
                     chosen, rejected = rewards[:, 0], rewards[:, 1]
                     # Bradley-Terry: the probability that chosen is preferred is sigmoid(r_chosen - r_rejected)
                     loss = -F.logsigmoid(chosen - rejected - batch.margin).mean()

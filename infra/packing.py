@@ -114,14 +114,14 @@ def lay_out(rows, args, keep_end=False):
     return rows._replace(train=parts[0], held_out=parts[1])
 
 
-def forward_packed(model, input_ids, attention_mask, wanted):
+def forward_packed(model, input_ids, attention_mask, wanted, hidden=False):
     """utils.forward()'s logits at the columns `wanted` marks ((rows, width) bools, taken row by row), for padded rows run
     without their padding (TRL's padding_free), packed into as few rows of the longest row's length as hold them
     (first fit, longest first; each row's tokens at the positions they have alone, placed from a packed row's end, so
     that a row alone in one is laid out as with left padding), under an attention mask that lets a token see its own
     row's up to itself. Never more columns than the padded rows (fewer where their lengths differ), and the logits of
     the wanted columns only. The same values and gradients as forward() (tested) for every model utils.can_pack() takes at
-    the rows' length. Returns (wanted, vocab)."""
+    the rows' length. Returns (wanted, vocab); hidden: the last hidden states there, (wanted, hidden), for a score head."""
     real = attention_mask.bool()
     lengths = real.sum(1).tolist()
     width, room, spans = max(lengths), [], {}  # spans: row -> (packed row, first column)
@@ -148,6 +148,10 @@ def forward_packed(model, input_ids, attention_mask, wanted):
     packed_cols = where[:, 1] + index[rows, cols]
     keep = torch.zeros_like(part, dtype=torch.bool)
     keep[where[:, 0], packed_cols] = True
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
+    if hidden:  # (a sequence-classification model takes no logits_to_keep)
+        out = model(input_ids=ids, attention_mask=attention, position_ids=places, output_hidden_states=True)
+        logits = out.hidden_states[-1][keep]
+    else:
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
     places_in_order = where[:, 0] * width + packed_cols
     return logits[torch.searchsorted(places_in_order.sort().values, places_in_order)]  # (wanted, vocab)

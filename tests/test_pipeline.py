@@ -632,7 +632,8 @@ def test_the_sft_loss_is_the_mean_over_every_learnt_token_of_the_batch(run, tmp_
             torch.testing.assert_close(other[name], outs[0][name], rtol=1e-4, atol=1e-6)
 
 
-def test_padding_free_is_refused_in_one_line_where_a_packed_row_is_not_exact(run, tmp_path, tiny_tokenizer_dir, data):
+@pytest.mark.parametrize("script", ["sft.py", "reward.py"])
+def test_padding_free_is_refused_in_one_line_where_a_packed_row_is_not_exact(script, run, tmp_path, tiny_tokenizer_dir, data):
     """A Mistral whose sliding window (8) is shorter than the rows may be (--max_length 64): a packed row would let a
     token see past its window, so --padding_free stops before any work."""
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
@@ -643,7 +644,7 @@ def test_padding_free_is_refused_in_one_line_where_a_packed_row_is_not_exact(run
     MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
     tok.save_pretrained(tmp_path / "mistral")
     out = tmp_path / "out"
-    proc = run(small("sft.py", tmp_path / "mistral", data, out, "--padding_free --max_length 64"), cwd=tmp_path)
+    proc = run(small(script, tmp_path / "mistral", data, out, "--padding_free --max_length 64"), cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: --padding_free: this mistral model's attention cannot run a packed row exactly"

@@ -1,7 +1,7 @@
-"""Every field of TRL 1.16's GRPOConfig, RLOOConfig, DistillationConfig, DPOConfig, KTOConfig and RewardConfig beyond
-transformers' TrainingArguments is a flag of grpo.py, rloo.py, distill.py, dpo.py, kto.py or reward.py by TRL's name,
-or is listed in docs/flags.md under "TRL's options not offered"; and nothing listed there is a flag. Computed from
-TRL's dataclasses where TRL is installed (it is not a requirement)."""
+"""Every field of TRL 1.16's GRPOConfig, RLOOConfig, DistillationConfig, DPOConfig, KTOConfig, RewardConfig and
+SFTConfig beyond transformers' TrainingArguments is a flag of grpo.py, rloo.py, distill.py, dpo.py, kto.py, reward.py
+or sft.py by TRL's name, or is listed in docs/flags.md under "TRL's options not offered"; and nothing listed there is
+a flag. Computed from TRL's dataclasses where TRL is installed (it is not a requirement)."""
 
 import dataclasses
 import os
@@ -31,7 +31,7 @@ def not_offered(script):
 @pytest.mark.parametrize(
     "script, config",
     [("grpo", "GRPOConfig"), ("rloo", "RLOOConfig"), ("distill", "DistillationConfig")]
-    + [("dpo", "DPOConfig"), ("kto", "KTOConfig"), ("reward", "RewardConfig")],
+    + [("dpo", "DPOConfig"), ("kto", "KTOConfig"), ("reward", "RewardConfig"), ("sft", "SFTConfig")],
 )
 def test_every_trl_field_is_a_flag_or_said_not_offered(script, config):
     trl = pytest.importorskip("trl")
