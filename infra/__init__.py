@@ -26,6 +26,7 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 """
 
 from .data import teacher_view
+from .decode import generate
 from .flags import DataArgs, DynamicSamplingArgs, EnvArgs, EvalArgs, RefSyncArgs, RolloutArgs, at_least, json_object
 from .models import load_policy, load_policy_and_critic, prepare, router_coef
 from .offline import (
@@ -47,5 +48,5 @@ __all__ = [
     "ExampleArgs", "PackingArgs", "lay_out",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
-    "json_object", "at_least", "router_coef",
+    "json_object", "at_least", "router_coef", "generate",
 ]  # fmt: skip

@@ -443,8 +443,8 @@ def save_policy(accelerator, model, args):
             save_function=accelerator.save,
             state_dict={k[len("critic.") :]: v for k, v in state_dict.items() if k.startswith("critic.")},
         )
-    elif both and accelerator.is_main_process:  # --value_head_shared: the head alone
+    elif both and accelerator.is_main_process:  # --value_head_shared (ilql.py: its heads): the heads alone
         from safetensors.torch import save_file
 
-        head = {k: v.contiguous() for k, v in state_dict.items() if k.startswith("value_head.")}
-        save_file(head, os.path.join(args.output_dir, "value_head.safetensors"))
+        head = {k: v.contiguous() for k, v in state_dict.items() if not k.startswith("policy.")}
+        save_file(head, os.path.join(args.output_dir, getattr(unwrapped, "heads_file", "value_head.safetensors")))

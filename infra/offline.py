@@ -4,6 +4,7 @@ bad rows refused in one line, the shuffled batches of an update (a pair's prompt
 held-out set, and the model as loaded. A reward model's input is rendered here both in training and in RL (render).
 """
 
+import math
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -163,15 +164,20 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
     return rows
 
 
-def labelled_rows(tokenizer, ds, where, max_length, block):
+def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
     """KTO's labelled completions, {"prompt", "completion", "partner" (token ids), "label"}: TRL's unpaired format
     (`prompt`, `completion`, boolean `label`; strings or chat messages), or preference pairs unpaired as TRL unpairs
     them (a pair's chosen completion desirable, its rejected one not: per 1000 pairs, the chosen ones first). A row
     whose prompt alone fills max_length is dropped, the rest cut to it (TRL's). partner (block: rows per KL block; None:
     no partner): the completion that, after this row's prompt, estimates KTO's KL term, as TRL pairs them once for all:
-    the previous row's in blocks of `block` rows in the dataset's order, the first row taking its block's last."""
+    the previous row's in blocks of `block` rows in the dataset's order, the first row taking its block's last. scored:
+    reward-labelled completions instead (`prompt`, `completion`, a number `reward`: ilql.py's), each with its reward."""
     columns = ds.column_names
-    if "chosen" in columns and "rejected" in columns:
+    if scored:
+        if not {"prompt", "completion", "reward"} <= set(columns):
+            die(f"{where} needs `prompt`, `completion` and `reward` columns; it has {columns}")
+        texts = [(r["prompt"], r["completion"], r["reward"], tools_of(r)) for r in ds]
+    elif "chosen" in columns and "rejected" in columns:
         texts = []  # (prompt, completion, label, tools) as TRL's unpair_preference_dataset orders them
         for start in range(0, len(ds), 1000):
             chunk = [ds[i] for i in range(start, min(start + 1000, len(ds)))]
@@ -188,11 +194,14 @@ def labelled_rows(tokenizer, ds, where, max_length, block):
     for i, (prompt, completion, label, tools) in enumerate(texts):
         if empty(completion):
             die(f"{where}, row {i}: empty completion")
-        if isinstance(label, str) or label not in (True, False):
+        if scored and (isinstance(label, (bool, str)) or not isinstance(label, (int, float)) or not math.isfinite(label)):
+            die(f"{where}, row {i}: `reward` must be a finite number, got {label!r}")
+        if not scored and (isinstance(label, str) or label not in (True, False)):
             die(f"{where}, row {i}: `label` must be true or false, got {label!r}")
         head, tail = render(tokenizer, prompt, completion, tools)
         if max_length is None or len(head) < max_length:
-            rows.append({"prompt": head, "completion": tail, "label": bool(label), "row": i})
+            kind = {"reward": float(label), "label": True} if scored else {"label": bool(label)}
+            rows.append({"prompt": head, "completion": tail, **kind, "row": i})
     if len(rows) < len(texts):
         note(f"{len(texts) - len(rows)} of {len(texts)} prompts in {where} fill --max_length {max_length} tokens: left out")
     if not rows:
@@ -333,6 +342,7 @@ class Examples:
             margin=margin.to(device),
             index=torch.tensor(index, device=device),
             label=torch.tensor([r.get("label", True) for r in picked], device=device),
+            reward=torch.tensor([r.get("reward", 0.0) for r in picked], device=device),
             group=group,
         )
 
@@ -343,7 +353,8 @@ class Batch:
     pair j's chosen and rejected, after its prompt left-padded to context_length columns; lengths: each completion's
     tokens; logprob_mask (rows, completion width): the completion tokens a logprob sums, those a real token predicts
     (all but the first after an empty prompt); margin: each pair's; index: the pairs' rows. Labelled completions
-    (KTO's): rows in groups of `group`, each example's completion then, with a partner, its partner; label: desirable."""
+    (KTO's): rows in groups of `group`, each example's completion then, with a partner, its partner; label: desirable;
+    reward: a scored completion's (ilql.py's)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -354,6 +365,7 @@ class Batch:
     margin: Optional[torch.Tensor] = None
     index: Optional[torch.Tensor] = None
     label: Optional[torch.Tensor] = None
+    reward: Optional[torch.Tensor] = None
     group: int = 2
 
 

@@ -400,5 +400,7 @@ def reduce_stats(accelerator, stats):
         out.update(zip(means, torch.where(maxed, gathered.amax(0), gathered.mean(0)).tolist()))
     if tokens:
         sums = accelerator.reduce(torch.stack(list(tokens.values())).to(accelerator.device), reduction="sum")  # (n, 2)
-        out.update(zip(tokens, (sums[:, 0] / sums[:, 1].clamp(min=1.0)).tolist()))
+        # (a statistic no token counted this update is left out, as TRL leaves it, rather than logged as 0)
+        means, counts = (sums[:, 0] / sums[:, 1].clamp(min=1.0)).tolist(), sums[:, 1].tolist()
+        out.update((name, mean) for name, mean, count in zip(tokens, means, counts) if count > 0)
     return out
