@@ -25,6 +25,7 @@ The model saved loads with transformers' AutoModelForCausalLM; the heads are in 
 import copy
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -60,6 +61,11 @@ class ILQLArgs:
     """sample among the k likeliest tokens of the shaped logits (0: all)"""
     temperature: float = 1.0
     """the shaped logits divided by this before sampling (0: greedy)"""
+    eval_reward_fn: Optional[str] = "sentiment"
+    """each evaluation samples a completion of every held-out row's prompt, shaped by the values, and scores it with
+    this reward function (`sentiment`, `accuracy`, `file.py:function`; None: the held-out loss only)"""
+    response_length: int = 48
+    """the most tokens of such a completion"""
 
 
 @dataclass
@@ -68,6 +74,8 @@ class Args(infra.ExampleArgs, ILQLArgs):
 
     dataset_name: str = "data/scored.jsonl"
     """reward-labelled completions: `prompt`, `completion` (strings or chat messages) and a number `reward`"""
+    eval_dataset_name: Optional[str] = "data/scored_test.jsonl"
+    """held-out rows (the same format): the loss on them, and samples of their prompts scored (--eval_reward_fn)"""
     learning_rate: float = 5e-5
     """the AdamW learning rate at its peak (trlX's ILQL default; --lr_scheduler_type)"""
     adam_beta2: float = 0.95
@@ -183,11 +191,12 @@ def load(folder, two_qs=True):
 def main(args):
     if not 0 < args.tau < 1 or args.gamma < 0 or args.cql_scale < 0 or args.awac_scale < 0 or not 0 <= args.alpha <= 1:
         utils.die("--tau must be in (0, 1), --alpha in [0, 1], --gamma, --cql_scale and --awac_scale at least 0")
-    infra.at_least(args, 1, "steps_for_target_q_sync")
-    infra.at_least(args, 0, "top_k", "temperature")
+    infra.at_least(args, 1, "steps_for_target_q_sync", "response_length")
+    infra.at_least(args, 0, "top_k", "temperature", "beta", "gen_beta")
     # the tokenizer and every row rendered and checked (a missing column, a reward not a finite number: one line),
     # before anything is written or any model loads
     rows = infra.read_examples(args, labelled=True, block=None, scored=True)
+    true_score = infra.load_reward_fn(args.eval_reward_fn, []) if args.eval_reward_fn else None
     rewards = torch.tensor([r["reward"] for r in rows.train], dtype=torch.float64)
     # trlX's normalisation: centred, over the (unbiased) standard deviation of the whole training set
     center, scale = rewards.mean().item(), (rewards.std().item() if len(rewards) > 1 else 0.0) + 2.220446049250313e-16
@@ -207,17 +216,32 @@ def main(args):
     def normalised(batch):
         return ((batch.reward.double() - center) / scale).float()
 
+    rule = functools.partial(utils.sampling_logits, temperature=args.temperature, top_k=args.top_k)
+
     @torch.no_grad()
-    def evaluate():  # the loss and its terms on the held-out rows, on all processes
-        stats = utils.Stats()
+    def evaluate():  # the loss's terms over the held-out rows' actions, and the true score of samples of their prompts
+        totals = torch.zeros(9, device=run.device)  # the loss's 5 sums, the actions, the rows' and the samples' scores, rows
+        seeded = torch.Generator().manual_seed(args.seed)
+        noise = torch.rand(len(data.held_out_rows or []), args.response_length, generator=seeded)
         for batch in data.held_out():
             with accelerator.autocast():
-                tokens = batch.logprob_mask.sum().clamp(min=1)
-                loss, terms, *_ = ilql_forward(model, batch, normalised(batch), tokens, args)
-            stats.add(**{"loss/ilql": loss}, **terms)
+                loss, terms, *_ = ilql_forward(model, batch, normalised(batch), 1.0, args)  # (sums over the actions)
+                sampled = torch.zeros((), device=run.device)
+                if true_score is not None:  # each row's prompt, its noise the same at every evaluation and on any process
+                    queries, mask = batch.input_ids[:, : batch.context_length], batch.attention_mask[:, : batch.context_length]
+                    shaped, uniforms = Shaped(unwrapped, args.gen_beta), noise[batch.index.cpu()]
+                    completions = infra.generate(shaped, queries, mask, args.response_length, rule,
+                                                 stop_token_id=run.tokenizer.eos_token_id, uniforms=uniforms)  # fmt: skip
+                    texts = [run.tokenizer.batch_decode(x, skip_special_tokens=True) for x in (queries, completions)]
+                    sampled += sum(infra.call_reward_fn(true_score, *texts, {}))
+            sums = [loss, *terms.values(), batch.logprob_mask.sum(), batch.reward.sum(), sampled, len(batch.reward)]
+            totals += torch.stack([torch.as_tensor(x, device=run.device).float() for x in sums])
         if data.held_out_rows is None:
             return None
-        return {f"eval/{name}": value for name, value in run.reduce_stats(stats).items()}
+        *sums, actions, rewards, sampled, rows = run.reduce_sum(totals).tolist()
+        out = {f"eval/{name}": total / actions for name, total in zip(["loss/ilql", *terms], sums)}
+        out["eval/rewards/data"] = rewards / rows  # (the held-out completions' own mean score)
+        return out | ({f"eval/rewards/{args.eval_reward_fn}": sampled / rows} if true_score is not None else {})
 
     for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
         # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)

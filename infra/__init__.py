@@ -38,6 +38,7 @@ from .offline import (
     save_reward_input,
 )
 from .packing import PackingArgs, forward_packed, lay_out
+from .rewards import call_reward_fn, load_reward_fn
 from .rollout import Sampler
 from .run import CheckpointedNumber, start
 from .run_flags import RunArgs
@@ -48,5 +49,5 @@ __all__ = [
     "ExampleArgs", "PackingArgs", "lay_out",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
-    "json_object", "at_least", "router_coef", "generate",
+    "json_object", "at_least", "router_coef", "generate", "load_reward_fn", "call_reward_fn",
 ]  # fmt: skip

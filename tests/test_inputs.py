@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO
 from test_rloo import check_ok, read_metrics
 
-SCRIPTS = "rloo.py ppo.py grpo.py distill.py sft.py reward.py dpo.py kto.py rloo_tldr.py ppo_tldr.py".split()
+SCRIPTS = "rloo.py ppo.py grpo.py distill.py sft.py reward.py dpo.py kto.py ilql.py rloo_tldr.py ppo_tldr.py".split()
 PROBES = {int: [-1, 0], float: [-1.0, 0.0, math.nan, math.inf], tuple: [math.nan, math.inf]}
 # the probes each number may take (0 or below has a meaning there): every other probe must be refused
 ALLOWED = {
@@ -32,9 +32,14 @@ ALLOWED = {
     "max_tool_calling_iterations": [0], "num_generations_eval": [0], "ref_model_mixup_alpha": [0.0],
     "entropy_coef_min": [0.0], "entropy_coef_max": [0.0], "entropy_coef_delta": [0.0], "entropy_target": [0.0],
     "router_aux_loss_coef": [0.0], "desirable_weight": [0.0], "undesirable_weight": [0.0], "ld_alpha": [0.0],
-    "simpo_gamma": [0.0], "cpo_alpha": [0.0],
+    "simpo_gamma": [0.0], "cpo_alpha": [0.0], "cql_scale": [0.0], "awac_scale": [0.0], "alpha": [0.0],
+    "gen_beta": [0.0],
 }  # fmt: skip
-ALLOWED_IN = {("dpo.py", "beta"): [], ("kto.py", "beta"): []}  # (DPO's and KTO's beta divide: it must be positive)
+ALLOWED_IN = {
+    ("dpo.py", "beta"): [],
+    ("kto.py", "beta"): [],
+    ("ilql.py", "temperature"): [0.0],
+}  # (DPO's and KTO's beta divide: it must be positive)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
 # (the deprecated flag, and TRL's name, set the other)
 NAMED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max", "num_generations_eval": "num_eval_generations"}
@@ -72,7 +77,10 @@ def offline_data(tmp_path):
     pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": " yes", "rejected": " no"}) + "\n" for i in range(8)))
     examples = tmp_path / "sft.jsonl"
     examples.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": " yes"}) + "\n" for i in range(8)))
-    return {"sft.py": str(examples), "reward.py": str(pairs), "dpo.py": str(pairs), "kto.py": str(pairs)}
+    scored = tmp_path / "scored.jsonl"
+    scored.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": " yes", "reward": i / 8}) + "\n" for i in range(8)))
+    files = {"sft.py": examples, "reward.py": pairs, "dpo.py": pairs, "kto.py": pairs, "ilql.py": scored}
+    return {script: str(path) for script, path in files.items()}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

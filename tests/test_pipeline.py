@@ -69,7 +69,18 @@ def data(tmp_path_factory):
         "chat_pairs_test": write(folder / "chat_pairs_test.jsonl", pairs(16, offset=48, chat=True)),
         "sft": write(folder / "sft.jsonl", sft[:32]),
         "sft_test": write(folder / "sft_test.jsonl", sft[32:]),
+        # reward-labelled completions (ilql.py): each pair's two, scored 1 and -1
+        "scored": write(folder / "scored.jsonl", scored(pairs(24))),
+        "scored_test": write(folder / "scored_test.jsonl", scored(pairs(8, offset=48))),
     }
+
+
+def scored(pairs):
+    return [
+        {"prompt": p["prompt"], "completion": p[side], "reward": r}
+        for p in pairs
+        for side, r in (("chosen", 1), ("rejected", -1))
+    ]
 
 
 def tokenizer_of(path):
@@ -430,7 +441,9 @@ def small(script, model, data, out, extra=""):
         "reward.py": (data["pairs"], data["pairs_test"]),
         "dpo.py": (data["pairs"], data["pairs_test"]),
         "kto.py": (data["pairs"], data["pairs_test"]),  # (unpaired)
+        "ilql.py": (data["scored"], data["scored_test"]),
     }[script]
+    extra += " --response_length 6" if script == "ilql.py" else ""  # (its held-out samples)
     return (
         f"{script} --model_name_or_path {model} --dataset_name {datasets[0]} --eval_dataset_name {datasets[1]}"
         f" --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --output_dir {out} {extra}"
@@ -652,7 +665,7 @@ def test_padding_free_is_refused_in_one_line_where_a_packed_row_is_not_exact(scr
     assert not out.exists()
 
 
-@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py"])
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py", "ilql.py"])
 def test_two_processes_match_one(script, run, tmp_path, tiny_model_dir, data):
     """(kto.py: its loss without the KL reference point, which TRL pools over the processes' micro-batches, and so
     over other examples than one process's micro-batch)"""
@@ -678,7 +691,7 @@ def test_two_processes_match_one(script, run, tmp_path, tiny_model_dir, data):
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py"])
+@pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py", "ilql.py"])
 def test_kill_then_resume_continues_exactly(script, run, tmp_path, tiny_model_dir, data):
     import subprocess
     import sys
