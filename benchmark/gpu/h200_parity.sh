@@ -8,27 +8,11 @@
 # Usage, from the repository's root with .gpu/ as benchmark/gpu/h100_distill.sh says:
 #   bash benchmark/gpu/h200_parity.sh OUT [--tiny]     (results: benchmark/results/gpu/parity)
 # --tiny with CUDA_VISIBLE_DEVICES= rehearses it on the CPU (decode_graphs.py then skipped).
-set -u
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled \
-  TOKENIZERS_PARALLELISM=false
-O=$(mkdir -p "$1" && cd "$1" && pwd); TINY=${2:-}; PY=${PY:-python3}; W=${W:-/tmp/parity}; rm -rf $W; mkdir -p $W/logs
-G=$(cd "$(dirname "$0")" && pwd); S=$O/summary.txt; : > $S
-if [ -z "${SKIP_PIP:-}" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl &&
-    export PYTHONPATH=/tmp/site
-fi
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> $S 2>&1
-$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> $S 2>&1
-timeout 60 $PY $G/build_model.py .gpu/smollm2_cfg $W/model $TINY > $W/logs/build.log 2>&1
+W=${W:-/tmp/parity}
+source "$(dirname "$0")/at_once.sh"
 [ -z "$TINY" ] && (timeout -k 5 ${T_GRAPHS:-150} $PY $G/decode_graphs.py > $W/logs/decode_graphs.log 2>&1; echo "decode_graphs rc=$?" > $W/graphs.rc) &
 M="--model_name_or_path $W/model --no_save_model"
 R="$M --total_episodes 32 --num_sample_generations 0 --reward_fn sentiment"
-run() {  # run NAME SCRIPT FLAGS...: in the background; its status, time and last metrics row in the summary
-  local n=$1; shift
-  (s=$SECONDS; timeout -k 5 ${T_RUN:-150} $PY "$@" --output_dir $W/$n > $W/logs/$n.log 2>&1; rc=$?
-    { echo "$n rc=$rc $((SECONDS - s))s $(tail -n 1 $W/$n/metrics.jsonl 2>/dev/null | cut -c1-200)"
-      [ $rc -ne 0 ] && grep -E "Error|error" $W/logs/$n.log | tail -n 3; } > $W/$n.rc) &
-}
 run kto kto.py $M --total_episodes 32
 run kto_apo_bf16_pre kto.py $M --total_episodes 32 --loss_type apo_zero_unpaired --precompute_ref_log_probs --bf16
 run dpo_mpo_wpo dpo.py $M --total_episodes 32 --loss_type sigmoid bco_pair --loss_weights 1 0.5 --use_weighting --ld_alpha 0.5
@@ -44,8 +28,4 @@ run rloo_trl_names rloo.py $R --num_generations 4 --beta 0.05 --epsilon 0.2 --nu
 run ppo_topp ppo.py $R --top_p 0.9 --repetition_penalty 1.2 --bf16
 run distill_topk distill.py $M --total_episodes 32 --num_sample_generations 0 --teacher_model_name_or_path $W/model \
   --top_k 20 --bf16
-wait
-cat $W/*.rc >> $S
-grep -v "^Loading\|Writing" $W/logs/decode_graphs.log >> $S 2>/dev/null
-tar -czf $O/logs.tgz -C $W logs 2>/dev/null
-cat $S
+finish decode_graphs.log
