@@ -97,7 +97,7 @@ class ILQLModel(utils.PolicyAndValue):
     """The policy (a causal LM) and ILQL's heads on its last hidden states, in one module (one optimiser, one DDP
     wrapper): V (value_head), Q over the vocabulary (q_heads) and their frozen targets (target_q_heads)."""
 
-    heads_file = "ilql_heads.safetensors"  # (saved beside the model: infra.models.save_policy)
+    heads_file = "ilql_heads.safetensors"  # (saved beside the model by save_policy, infra/models.py)
 
     def __init__(self, policy, two_qs=True):
         super().__init__(policy)
