@@ -111,9 +111,12 @@ class ILQLModel(utils.PolicyAndValue):
         (rows, keep, vocab) each but V, (rows, keep)"""
         out = utils.forward(self.policy, input_ids, attention_mask, logits_to_keep=logits_to_keep, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -logits_to_keep:]
-        with torch.no_grad():
-            target = torch.stack([q(hidden) for q in self.target_q_heads]).amin(0)
-        return out.logits, [q(hidden) for q in self.q_heads], target, self.value_head(hidden).squeeze(-1)
+        return out.logits, [q(hidden) for q in self.q_heads], self.target(hidden), self.value_head(hidden).squeeze(-1)
+
+    @torch.no_grad()
+    def target(self, hidden):
+        """the smaller of the target Qs at each position, over the vocabulary (no gradient)"""
+        return torch.stack([q(hidden) for q in self.target_q_heads]).amin(0)
 
 
 def ilql_loss(logits, qs, target, values, actions, mask, rewards, tokens, args):
@@ -162,8 +165,8 @@ class Shaped(nn.Module):
     def forward(self, **kwargs):
         out = self.model.policy(**kwargs, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, -out.logits.shape[1] :]
-        target = torch.stack([q(hidden) for q in self.model.target_q_heads]).amin(0)
-        out.logits = out.logits.float().log_softmax(-1) + self.beta * (target - self.model.value_head(hidden)).float()
+        advantage = self.model.target(hidden) - self.model.value_head(hidden)
+        out.logits = out.logits.float().log_softmax(-1) + self.beta * advantage.float()
         return out
 
 
