@@ -100,9 +100,8 @@ class ILQLModel(utils.PolicyAndValue):
     heads_file = "ilql_heads.safetensors"  # (saved beside the model by save_policy, infra/models.py)
 
     def __init__(self, policy, two_qs=True):
-        super().__init__(policy)
         hidden, vocab = policy.config.hidden_size, policy.get_output_embeddings().weight.shape[0]
-        self.value_head = head(hidden, 1)
+        super().__init__(policy, value_head=head(hidden, 1))
         self.q_heads = nn.ModuleList(head(hidden, vocab) for _ in range(1 + two_qs))
         self.target_q_heads = copy.deepcopy(self.q_heads).requires_grad_(False)
 

@@ -114,14 +114,15 @@ def init_value_head(head, std, seed):
 class PolicyAndValue(nn.Module):
     """The policy and the critic in one module, so that one optimiser and one DDP wrapper hold both: a forward pass
     returns the policy's logits and the value of every position, from a separate critic (a sequence-classification
-    model) or, with critic None, from a value head on the policy's trunk."""
+    model) or, with critic None, from a value head on the policy's trunk (a linear one, or value_head: one's own)."""
 
-    def __init__(self, policy, critic=None, seed=0):
+    def __init__(self, policy, critic=None, seed=0, value_head=None):
         super().__init__()
         self.policy, self.critic = policy, critic
         if critic is None:  # std 1 / sqrt(hidden + 1), as the N+ details study
             hidden = policy.config.hidden_size
-            self.value_head = init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed)
+            linear = value_head is None
+            self.value_head = init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed) if linear else value_head
 
     def forward(self, input_ids, attention_mask, logits_to_keep, policy_only=False):
         shared = self.critic is None and not policy_only

@@ -157,3 +157,22 @@ def test_a_run_saves_a_model_plain_transformers_loads_and_heads_whose_targets_fo
     names = [k for k in heads[2] if k.startswith("q_heads.")]
     assert names and all(torch.equal(heads[2][k], heads[2]["target_" + k]) for k in names)
     assert not any(torch.equal(heads[3][k], heads[3]["target_" + k]) for k in names)
+
+
+def test_lora_in_bf16_trains_the_adapters_and_heads_and_its_folder_loads(run, tmp_path, tiny_model_dir):
+    """--use_peft --bf16: finite metrics; the folder (adapters, heads) loads with ilql.load, whose LM is the adapted one
+    (its logits not the base model's) and whose heads are the saved ones"""
+    from transformers import AutoModelForCausalLM
+
+    path, out = write(tmp_path / "scored.jsonl", scored_rows()), tmp_path / "out"
+    flags = "--total_episodes 16 --per_device_train_batch_size 4 --learning_rate 1e-3 --use_peft --bf16"
+    command = f"ilql.py --model_name_or_path {tiny_model_dir} --dataset_name {path} --eval_dataset_name None {flags}"
+    check_ok(run(f"{command} --output_dir {out}", tmp_path))
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values())
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    model, heads = ilql.load(out), load_file(out / "ilql_heads.safetensors")
+    assert torch.equal(model.q_heads[0][2].weight, heads["q_heads.0.2.weight"])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.allclose(model.policy(ids).logits, base(ids).logits)
