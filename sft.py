@@ -5,7 +5,8 @@ should write (--loss_type dft: each weighted by its probability, detached), over
 SFTTrainer): a prompt-completion row's completion, a
 conversation's assistant messages with --assistant_only_loss, else every token. The data is in TRL's formats: a
 `messages` column of conversations (with an optional `tools` column of the tools' schemas), `prompt` and `completion`
-columns (strings or chat messages), or a `text` column.
+columns (strings or chat messages), or a `text` column. Filtered fine-tuning (rejection sampling, offline): with
+--keep, only the best-scored of reward-labelled rows (a `reward` column) are learnt; raft.py does it online.
 
 Paper: Ouyang et al. 2022, "Training language models to follow instructions with human feedback" (its SFT step).
 
@@ -13,12 +14,16 @@ Run (offline, on a CPU: SmolLM2-135M-Instruct learns to call the calculator tool
 of docs/pipeline.md's tool-use run):
     python sft.py --chat_template examples/environments/chatml_tools.jinja --assistant_only_loss \
         --total_episodes 256 --learning_rate 1e-4
+Filtered fine-tuning on the best of four scored completions of each prompt (data/scored.jsonl):
+    python sft.py --dataset_name data/scored.jsonl --keep best
 With a hub dataset, on GPUs:
     accelerate launch sft.py --model_name_or_path EleutherAI/pythia-1b-deduped \
         --dataset_name trl-lib/tldr --eval_dataset_name trl-lib/tldr --eval_split validation
 """
 
+import json
 import math
+import random
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -48,6 +53,11 @@ class SFTArgs:
     """nll: each learnt token's negative log-likelihood; dft: times its probability, detached (Dynamic Fine-Tuning)"""
     dataset_text_field: str = "text"
     """the column of language-modeling rows (TRL's)"""
+    keep: Literal["all", "best", "top", "random"] = "all"
+    """filtered fine-tuning on reward-labelled rows (a number `reward` beside `prompt` and `completion`): learn the
+    best-scored completion of each prompt, the --keep_rows best-scored rows, or --keep_rows rows at random (a control)"""
+    keep_rows: Optional[int] = None
+    """how many rows top and random keep (None: as many as best does, one per prompt)"""
 
 
 @dataclass
@@ -91,8 +101,36 @@ def nll(model, batch, padding_free=False, router=False):
     return (losses, mask, right, out.aux_loss) if router else (losses, mask, right)
 
 
+def kept(ds, args):
+    """--keep: the training rows filtered fine-tuning learns from, ranked by their `reward` (rejection sampling's
+    selection, offline; raft.py samples, ranks and learns online). Ties: the first row."""
+    if args.keep == "all":
+        return ds
+    if not {"prompt", "reward"} <= set(ds.column_names):
+        utils.die(f"--keep {args.keep} ranks rows by `reward` within `prompt`: the dataset has {ds.column_names}")
+    rewards = ds["reward"]
+    for i, r in enumerate(rewards):
+        if isinstance(r, (bool, str)) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            utils.die(f"--keep {args.keep}: row {i}'s `reward` must be a finite number, got {r!r}")
+    best = {}  # each prompt's best row
+    for i, prompt in enumerate(ds["prompt"]):
+        key = json.dumps(prompt, sort_keys=True)
+        best[key] = i if key not in best or rewards[i] > rewards[best[key]] else best[key]
+    n = min(args.keep_rows or len(best), len(ds))
+    if args.keep == "best":
+        rows = best.values()
+    elif args.keep == "top":
+        rows = sorted(range(len(ds)), key=lambda i: -rewards[i])[:n]
+    else:  # the control: as many rows, whatever their scores
+        rows = random.Random(args.seed).sample(range(len(ds)), n)
+    return ds.select(sorted(rows))
+
+
 def main(args):
     infra.at_least(args, 0, "router_aux_loss_coef")
+    infra.at_least(args, 1, "keep_rows")
+    if args.keep_rows is not None and args.keep not in ("top", "random"):
+        utils.die(f"--keep_rows counts the rows --keep top or random keeps, not --keep {args.keep}")
     # the tokenizer and every row rendered and checked (with no token to learn within --max_length: left out, as TRL),
     # before anything is written
     rows = infra.read_examples(
@@ -102,6 +140,7 @@ def main(args):
         text_field=args.dataset_text_field,
         keep_end=args.truncation_mode == "keep_end",
         whole=args.packing,
+        select=lambda ds: kept(ds, args),  # --keep
     )
     rows = infra.lay_out(rows, args, keep_end=args.truncation_mode == "keep_end")  # --packing, --shuffle_dataset
     run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir

@@ -222,10 +222,11 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
 Rows = namedtuple("Rows", "tokenizer train held_out pairs")
 
 
-def read_examples(args, pairs=False, labelled=False, **rendering):
+def read_examples(args, pairs=False, labelled=False, select=None, **rendering):
     """The tokenizer (with --chat_template), then the training rows and the held-out ones (sft_rows, pair_rows with
     pairs, labelled_rows with labelled, given the rendering's flags), checked before anything is written or any model
-    loads, and before start() counts --num_train_epochs over the rows kept (as TRL, which filters before it counts)."""
+    loads, and before start() counts --num_train_epochs over the rows kept (as TRL, which filters before it counts).
+    select: the training dataset's rows to render (a function of the datasets.Dataset, sft.py's --keep)."""
     revision = json_object(args, "model_init_kwargs").get("revision")
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, args.chat_template, revision=revision)
     if args.eos_token is not None:  # (TRL's: one of the tokenizer's tokens, now its EOS token)
@@ -235,7 +236,9 @@ def read_examples(args, pairs=False, labelled=False, **rendering):
     rows_of, loaded = labelled_rows if labelled else pair_rows if pairs else sft_rows, []
     for name, split in [(args.dataset_name, args.dataset_split), (args.eval_dataset_name, args.eval_split)]:
         where = f"dataset {name!r} (split {split!r})"
-        loaded.append(rows_of(tokenizer, read_dataset(name, split), where, args.max_length, **rendering) if name else None)
+        ds = read_dataset(name, split) if name else None
+        ds = select(ds) if select is not None and ds is not None and not loaded else ds  # (the training rows only)
+        loaded.append(rows_of(tokenizer, ds, where, args.max_length, **rendering) if name else None)
     return Rows(tokenizer, loaded[0], loaded[1], pairs or labelled)
 
 

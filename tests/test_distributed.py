@@ -52,7 +52,7 @@ def shipped_config(name, processes, folder):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_file, tldr_dir):
-    """The arguments of small runs of rloo.py, ppo.py, rloo_tldr.py and grpo.py: 16 completions per update, split over
+    """The arguments of small runs of rloo.py, ppo.py, rloo_tldr.py, grpo.py and raft.py: 16 completions per update, split over
     gradient accumulation and processes by the caller; one mini-batch, so that the split does not change the steps.
     The policy stops at its EOS token at different steps, so processes finish generating at different steps too."""
     folder = tmp_path_factory.mktemp("runs")
@@ -74,6 +74,9 @@ def runs(tmp_path_factory, eos_model_dir, tiny_reward_model_dir, tiny_prompts_fi
         "grpo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --num_generations 4"
         f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_iterations 2 --beta 0.1"
         " --scale_rewards batch --mask_truncated_completions" + common,
+        # each prompt's best completion kept, its tokens' mean NLL over the global batch's kept tokens
+        "raft.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --num_generations 4"
+        f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_epochs 2" + common,
         # PPO's per-token means depend on how tokens fall into micro-batches unless every completion is as long
         "ppo.py": f"--model_name_or_path {eos_model_dir} --dataset_name {tiny_prompts_file} --stop_token None"
         f" --reward_fn {folder}/reward.py:vowels --total_episodes 48 --num_ppo_epochs 2" + common + held_out,
@@ -107,6 +110,7 @@ SAME = {
     " eval/scores eval/mean@2 eval/pass@2 eval/response_length",
     "rloo_tldr.py": "objective/scores objective/kl objective/entropy objective/rlhf_reward loss/policy_avg"
     " val/num_eos_tokens val/response_length eval/scores eval/response_length eval/stopped_fraction",
+    "raft.py": "objective/scores loss/sft raft/kept_score raft/kept_fraction val/response_length val/num_eos_tokens",
     "grpo.py": "reward reward_std frac_reward_zero_std objective/kl objective/entropy loss/policy_avg kl entropy"
     " policy/approxkl_avg completions/mean_length completions/min_length completions/max_length val/num_eos_tokens",
 }
@@ -133,7 +137,8 @@ def assert_same_run(one, two, script):
 @pytest.mark.parametrize(
     "script, config",
     [(s, c) for s in ["rloo.py", "ppo.py"] for c in ["plain", "zero2", "zero3"]]
-    + [("grpo.py", "plain"), ("rloo_tldr.py", "zero3")],  # (the others share rloo.py's and ppo.py's plumbing)
+    # (the others share rloo.py's and ppo.py's plumbing)
+    + [("grpo.py", "plain"), ("raft.py", "plain"), ("rloo_tldr.py", "zero3")],
 )
 def test_two_processes_match_one(script, config, tmp_path, runs, one_process):
     """Two processes x 2 micro-batches against one process x 4, under each shipped way to run several processes

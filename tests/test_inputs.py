@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO
 from test_rloo import check_ok, read_metrics
 
-SCRIPTS = "rloo.py ppo.py grpo.py distill.py sft.py reward.py dpo.py kto.py ilql.py rloo_tldr.py ppo_tldr.py".split()
+SCRIPTS = "rloo.py ppo.py grpo.py distill.py sft.py reward.py dpo.py kto.py ilql.py raft.py rloo_tldr.py ppo_tldr.py".split()
 PROBES = {int: [-1, 0], float: [-1.0, 0.0, math.nan, math.inf], tuple: [math.nan, math.inf]}
 # the probes each number may take (0 or below has a meaning there): every other probe must be refused
 ALLOWED = {
@@ -39,6 +39,7 @@ ALLOWED_IN = {
     ("dpo.py", "beta"): [],
     ("kto.py", "beta"): [],
     ("ilql.py", "temperature"): [0.0],
+    ("raft.py", "min_score"): [-1.0, 0.0],
 }  # (DPO's and KTO's beta divide: it must be positive)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
 # (the deprecated flag, and TRL's name, set the other)

@@ -8,7 +8,7 @@ import re
 from conftest import REPO
 
 INFRA = os.path.join(REPO, "infra")
-SCRIPTS = "rloo.py grpo.py ppo.py distill.py rloo_tldr.py ppo_tldr.py sft.py reward.py dpo.py kto.py ilql.py".split()
+SCRIPTS = "rloo.py grpo.py ppo.py distill.py rloo_tldr.py ppo_tldr.py sft.py reward.py dpo.py kto.py ilql.py raft.py".split()
 
 
 def modules():

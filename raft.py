@@ -1,0 +1,151 @@
+"""RAFT: reward-ranked fine-tuning, filtered fine-tuning online (rejection sampling's loop, expert iteration).
+
+Each prompt is answered num_generations times by the policy and the completions are scored; the best-scored one of
+each prompt is kept (with --min_score, only if it scores at least that: ReST's filter, expert iteration's "solved"),
+and the policy is fine-tuned on what was kept: the mean negative log-likelihood of the kept completions' tokens, as
+sft.py's loss. The next prompts are then answered by the policy so improved: sample, rank, keep, fine-tune, repeat.
+No reference model, no KL, no ratio, no advantage: a supervised step on the policy's own best samples. Offline, from
+a fixed set of reward-labelled completions, the same selection is sft.py's --keep.
+
+Papers: Dong et al. 2023, "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment"
+(https://arxiv.org/abs/2304.06767); Gulcehre et al. 2023, "Reinforced Self-Training (ReST) for Language Modeling".
+
+Run (on a CPU: SmolLM2-135M-Instruct learns to answer the shipped prompts more positively):
+    python raft.py --num_generations 4
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import tyro
+
+import infra
+import utils
+
+
+@dataclass
+class RAFTArgs:
+    """RAFT's own flags."""
+
+    num_generations: int = 4
+    """the completions sampled per prompt, among which the best is kept"""
+    min_score: Optional[float] = None
+    """a prompt's best completion is learnt only if it scores at least this (None: always)"""
+    num_epochs: int = 1
+    """passes over each batch's kept completions"""
+
+
+@dataclass
+class Args(
+    infra.RunArgs, infra.EvalArgs, infra.EnvArgs, infra.DynamicSamplingArgs, infra.RolloutArgs, infra.DataArgs, RAFTArgs
+):  # fmt: skip
+    """RAFT's flags, then those every script shares (infra/*flags.py): the score's shaping; the model, data and reward
+    sources; the rollout; dynamic sampling; the environment (multi-turn episodes); the evaluation; the run (the batch
+    and its optimiser, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
+
+
+def best_of_group(scores, scored, k):
+    """The row of each prompt's best-scored completion, and whether any of its completions was scored: (prompts,) each.
+    scores, scored (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j); ties: the first."""
+    ranked = scores.masked_fill(~scored, -torch.inf).reshape(-1, k)  # (prompts, k)
+    first = torch.arange(len(ranked), device=scores.device) * k
+    return first + ranked.argmax(1), scored.reshape(-1, k).any(1)
+
+
+def main(args):
+    k = args.num_generations
+    infra.at_least(args, 1, "num_generations", "num_epochs")
+    if args.min_score is not None and not math.isfinite(args.min_score):
+        utils.die(f"--min_score must be a finite number, got {args.min_score}")
+    if args.per_device_train_batch_size % k:  # (each micro-batch keeps one completion of each of its prompts)
+        utils.die(f"--per_device_train_batch_size must be a multiple of --num_generations {k}")
+    run = infra.start(args, k=k)  # processes, seeding, batch sizes, output_dir
+    # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing), no reference
+    policy, _ = infra.load_policy(run, reference=False)
+    # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
+    # transformers'); fused: about 4x the default's speed on a CPU
+    params = utils.decay_groups(policy, args.weight_decay)
+    betas = (args.adam_beta1, args.adam_beta2)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
+    policy, optimizer, _ = infra.prepare(run, policy, optimizer)  # accelerate's (DDP, DeepSpeed); --ema_beta
+    # the scripts' own sampler or a vLLM engine, each token drawn by the sampling rule (utils.sampling_logits:
+    # --temperature, --top_k, --top_p, --min_p, --repetition_penalty)
+    sampler = infra.Sampler(run, policy, rule=utils.sampling_logits)
+    accelerator = run.accelerator
+
+    def keep(batch):  # --dynamic_sampling (DAPO): the groups whose scores differ, the only ones a ranking tells apart
+        scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
+        return utils.distinct_groups(scores, scored, k)
+
+    for update in run.updates():  # from the one after the newest checkpoint with --resume
+        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
+        warmup, low = args.warmup_updates, args.min_lr_rate
+        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # 1. this process's share of the next prompts; k completions of each (--environment: episodes), truncated after
+        # the stop token, and each reward source's scores (with --max_staleness N: sampled ahead by the policy of then)
+        batch = sampler.rollout(sampler.draw, keep=keep if args.dynamic_sampling else None)
+        sampled = batch.sampled  # (rows, width): True where the policy sampled the token (not padding, observations)
+        scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
+
+        # 2. the ranking: each prompt's best completion, learnt where it was scored and reaches --min_score
+        best, any_scored = best_of_group(scores, scored, k)  # (prompts,) each
+        learnt = any_scored & (scores[best] >= args.min_score if args.min_score is not None else True)
+        mask = sampled[best] & learnt[:, None]  # (prompts, width): the tokens the loss covers
+
+        # 3. fine-tune on the kept completions: epochs x mini-batches x gradient-accumulation micro-batches, each
+        # mini-batch one prompt's best completion per k rows of the rollout's
+        policy.train(args.gradient_checkpointing)
+        stats = utils.Stats()
+        for epoch in range(args.num_epochs):
+            sizes = (len(best), args.local_mini_batch_size // k, args.per_device_train_batch_size // k)
+            for mini_batch in utils.minibatches(*sizes, device=run.device):
+                # the mean over every learnt token of the mini-batch on all processes (sft.py's, TRL's SFT)
+                tokens = run.reduce_sum(sum(mask[micro].sum() for micro in mini_batch)).clamp(min=1)
+                for micro in mini_batch:
+                    rows = best[micro]
+                    with accelerator.accumulate(policy):
+                        logits = utils.forward(
+                            policy,
+                            batch.query_responses[rows],
+                            batch.attention_mask[rows],
+                            logits_to_keep=sampled.shape[1] + 1,
+                        ).logits[:, :-1]
+                        losses = -utils.logprobs_from_logits(logits, batch.responses[rows]).masked_fill(~mask[micro], 0.0)
+                        # the sum over that count, times what accelerate divides by (the micro-batches, the processes)
+                        loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size
+                        loss = loss + run.ptx_loss(policy)  # LightRFT's PTX loss, 0 without --ptx_coef
+                        run.check_finite(loss)
+                        accelerator.backward(loss)
+                        run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        run.update_ema(policy)  # --ema_beta
+
+                        stats.add_tokens(mask[micro], **{"loss/sft": losses})
+        policy.eval()
+
+        # the update's statistics, averaged over the processes as they are written
+        kept_scores = scores[best].masked_fill(~learnt, 0.0)
+        stats.add(
+            **{
+                "raft/kept_fraction": learnt.float().mean(),  # of the prompts
+                "raft/kept_score": kept_scores.sum() / learnt.sum().clamp(min=1),
+                "val/response_length": sampled.sum(1).float().mean(),  # the policy's tokens (not observations)
+                "val/kept_response_length": mask.sum(1).float().sum() / learnt.sum().clamp(min=1),
+            }
+        )
+        # metrics.jsonl, TensorBoard, wandb; samples, completions (a kept completion's advantage 1, the others' 0)
+        advantages = torch.zeros_like(scores).index_fill(0, best[learnt], 1.0)
+        run.log(update, batch, stats, advantages, scores=scores, scored=scored, lr=lr)
+        run.evaluate_and_checkpoint(update)  # --eval_every, --checkpoint_every
+
+    run.finish(__doc__, algorithm="RAFT")  # the model, its EMA, tokenizer and card; the hub
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))
