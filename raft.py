@@ -1,11 +1,12 @@
 """RAFT: reward-ranked fine-tuning, filtered fine-tuning online (rejection sampling's loop, expert iteration).
 
 Each prompt is answered num_generations times by the policy and the completions are scored; the best-scored one of
-each prompt is kept (with --min_score, only if it scores at least that: ReST's filter, expert iteration's "solved"),
-and the policy is fine-tuned on what was kept: the mean negative log-likelihood of the kept completions' tokens, as
-sft.py's loss. The next prompts are then answered by the policy so improved: sample, rank, keep, fine-tune, repeat.
-No reference model, no KL, no ratio, no advantage: a supervised step on the policy's own best samples. Offline, from
-a fixed set of reward-labelled completions, the same selection is sft.py's --keep.
+each prompt is kept (with --min_score, only if it scores at least that, as expert iteration keeps what solved its
+task), and the policy is fine-tuned on what was kept: the mean negative log-likelihood of the kept completions'
+tokens, as sft.py's loss. The next prompts are then answered by the policy so improved: sample, rank, keep,
+fine-tune, repeat. No reference model, no KL, no ratio, no advantage: a supervised step on the policy's own best
+samples (ReST and expert iteration keep every completion above a threshold instead, and ReST-EM restarts from the
+base model each round). Offline, from a fixed set of reward-labelled completions, the selection is sft.py's --keep.
 
 Papers: Dong et al. 2023, "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment"
 (https://arxiv.org/abs/2304.06767); Gulcehre et al. 2023, "Reinforced Self-Training (ReST) for Language Modeling".
@@ -34,7 +35,10 @@ class RAFTArgs:
     min_score: Optional[float] = None
     """a prompt's best completion is learnt only if it scores at least this (None: always)"""
     num_epochs: int = 1
-    """passes over each batch's kept completions"""
+    """passes over each batch's kept completions (--per_device_train_batch_size counts the rollout's completions, of
+    which each micro-batch of the step holds the kept: one in num_generations)"""
+    mask_truncated_completions: bool = False
+    """a best completion cut off before its stop token is not learnt (TRL's name, rloo.py's flag)"""
 
 
 @dataclass
@@ -46,12 +50,14 @@ class Args(
     and its optimiser, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
 
 
-def best_of_group(scores, scored, k):
-    """The row of each prompt's best-scored completion, and whether any of its completions was scored: (prompts,) each.
-    scores, scored (prompts * k,) in rollout order (row j * k + i is the i-th completion of prompt j); ties: the first."""
+def best_of_group(scores, scored, k, min_score=None):
+    """The row of each prompt's best-scored completion (ties: the first), and whether it is learnt: some completion of
+    the prompt was scored, and the best scores at least min_score. scores, scored (prompts * k,) in rollout order (row
+    j * k + i is the i-th completion of prompt j) -> (prompts,) each."""
     ranked = scores.masked_fill(~scored, -torch.inf).reshape(-1, k)  # (prompts, k)
     first = torch.arange(len(ranked), device=scores.device) * k
-    return first + ranked.argmax(1), scored.reshape(-1, k).any(1)
+    best, learnt = first + ranked.argmax(1), scored.reshape(-1, k).any(1)
+    return best, learnt & (scores[best] >= min_score) if min_score is not None else learnt
 
 
 def main(args):
@@ -59,6 +65,9 @@ def main(args):
     infra.at_least(args, 1, "num_generations", "num_epochs")
     if args.min_score is not None and not math.isfinite(args.min_score):
         utils.die(f"--min_score must be a finite number, got {args.min_score}")
+    if args.use_score_scaling or args.use_score_norm or args.score_clip is not None:
+        utils.die("raft.py ranks each prompt's completions by their scores, which --use_score_scaling, --use_score_norm "
+                  "and --score_clip would not reorder (a clip only ties them): not offered")  # fmt: skip
     if args.per_device_train_batch_size % k:  # (each micro-batch keeps one completion of each of its prompts)
         utils.die(f"--per_device_train_batch_size must be a multiple of --num_generations {k}")
     run = infra.start(args, k=k)  # processes, seeding, batch sizes, output_dir
@@ -75,9 +84,9 @@ def main(args):
     sampler = infra.Sampler(run, policy, rule=utils.sampling_logits)
     accelerator = run.accelerator
 
-    def keep(batch):  # --dynamic_sampling (DAPO): the groups whose scores differ, the only ones a ranking tells apart
+    def keep(batch):  # --dynamic_sampling: the prompts whose best completion is learnt (a scored one, --min_score)
         scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
-        return utils.distinct_groups(scores, scored, k)
+        return best_of_group(scores, scored, k, args.min_score)[1]
 
     for update in run.updates():  # from the one after the newest checkpoint with --resume
         # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
@@ -92,9 +101,10 @@ def main(args):
         sampled = batch.sampled  # (rows, width): True where the policy sampled the token (not padding, observations)
         scores, scored = utils.score(batch, run.weights, args.missing_eos_penalty)
 
-        # 2. the ranking: each prompt's best completion, learnt where it was scored and reaches --min_score
-        best, any_scored = best_of_group(scores, scored, k)  # (prompts,) each
-        learnt = any_scored & (scores[best] >= args.min_score if args.min_score is not None else True)
+        # 2. the ranking: each prompt's best completion, learnt where it was scored and reaches --min_score (and with
+        # --mask_truncated_completions, where it ended with its stop token)
+        best, learnt = best_of_group(scores, scored, k, args.min_score)  # (prompts,) each
+        learnt = learnt & batch.contain_eos[best] if args.mask_truncated_completions else learnt
         mask = sampled[best] & learnt[:, None]  # (prompts, width): the tokens the loss covers
 
         # 3. fine-tune on the kept completions: epochs x mini-batches x gradient-accumulation micro-batches, each
@@ -105,7 +115,9 @@ def main(args):
             sizes = (len(best), args.local_mini_batch_size // k, args.per_device_train_batch_size // k)
             for mini_batch in utils.minibatches(*sizes, device=run.device):
                 # the mean over every learnt token of the mini-batch on all processes (sft.py's, TRL's SFT)
-                tokens = run.reduce_sum(sum(mask[micro].sum() for micro in mini_batch)).clamp(min=1)
+                tokens = run.reduce_sum(sum(mask[micro].sum() for micro in mini_batch))
+                if tokens == 0:  # nothing kept on any process: no step (AdamW's momentum would still move the weights)
+                    continue
                 for micro in mini_batch:
                     rows = best[micro]
                     with accelerator.accumulate(policy):
@@ -130,15 +142,14 @@ def main(args):
         policy.eval()
 
         # the update's statistics, averaged over the processes as they are written
-        kept_scores = scores[best].masked_fill(~learnt, 0.0)
         stats.add(
             **{
                 "raft/kept_fraction": learnt.float().mean(),  # of the prompts
-                "raft/kept_score": kept_scores.sum() / learnt.sum().clamp(min=1),
                 "val/response_length": sampled.sum(1).float().mean(),  # the policy's tokens (not observations)
-                "val/kept_response_length": mask.sum(1).float().sum() / learnt.sum().clamp(min=1),
             }
         )
+        kept = {"raft/kept_score": scores[best], "val/kept_response_length": mask.sum(1).float()}
+        stats.add_tokens(learnt[:, None], **{name: value[:, None] for name, value in kept.items()})  # (over all processes)
         # metrics.jsonl, TensorBoard, wandb; samples, completions (a kept completion's advantage 1, the others' 0)
         advantages = torch.zeros_like(scores).index_fill(0, best[learnt], 1.0)
         run.log(update, batch, stats, advantages, scores=scores, scored=scored, lr=lr)

@@ -116,6 +116,8 @@ def kept(ds, args):
     for i, prompt in enumerate(ds["prompt"]):
         key = json.dumps(prompt, sort_keys=True)
         best[key] = i if key not in best or rewards[i] > rewards[best[key]] else best[key]
+    if args.keep_rows is not None and args.keep_rows > len(ds):
+        utils.die(f"--keep_rows {args.keep_rows}: the dataset has {len(ds)} rows")
     n = min(args.keep_rows or len(best), len(ds))
     if args.keep == "best":
         rows = best.values()

@@ -1,6 +1,6 @@
 """Filtered fine-tuning: sft.py's --keep (offline) picks the rows a naive loop picks and then trains exactly as on those
 rows alone, bad rewards are refused in one line; raft.py (online) keeps each prompt's best completion, as a naive loop
-ranks them, learns nothing when --min_score keeps nothing, and runs with LoRA in bf16."""
+ranks them, takes no step when --min_score keeps nothing, and runs with LoRA in bf16."""
 
 import json
 import math
@@ -57,12 +57,15 @@ def test_keep_picks_the_rows_a_naive_loop_picks(how, keep_rows):
         ([{"prompt": "a", "completion": "b", "reward": math.nan}], "best", "row 0's `reward` must be a finite number"),
         ([{"prompt": "a", "completion": "b", "reward": "good"}], "top", "must be a finite number, got 'good'"),
         ([{"prompt": "a", "completion": "b"}], "top", "--keep top ranks rows by `reward` within `prompt`"),
+        ([{"prompt": "a", "completion": "b", "reward": 1}], "top_2", "--keep_rows 2: the dataset has 1 rows"),
     ],
 )
 def test_bad_rewards_are_refused_in_one_line(rows, keep, line, capsys):
     """(sft.kept runs in infra.read_examples, before anything is written or any model loads)"""
+    keep, _, count = keep.partition("_")
+    args = types.SimpleNamespace(keep=keep, keep_rows=int(count) if count else None, seed=0)
     with pytest.raises(SystemExit):
-        sft.kept(datasets.Dataset.from_list(rows), types.SimpleNamespace(keep=keep, keep_rows=None, seed=0))
+        sft.kept(datasets.Dataset.from_list(rows), args)
     assert line in capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -90,26 +93,27 @@ def test_keep_best_trains_as_on_the_best_rows_alone(run, tmp_path, tiny_model_di
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-def test_best_of_group_is_a_naive_loop():
+@pytest.mark.parametrize("min_score", [None, 1.0])
+def test_best_of_group_is_a_naive_loop(min_score):
     torch.manual_seed(0)
     k, prompts = 4, 50
     scores = torch.randint(0, 3, (prompts * k,)).float()  # ties
     scored = torch.rand(prompts * k) > 0.2
     scored[:k] = False  # a prompt none of whose completions was scored
-    best, any_scored = raft.best_of_group(scores, scored, k)
+    best, learnt = raft.best_of_group(scores, scored, k, min_score)
     for j in range(prompts):
         rows = [j * k + i for i in range(k) if scored[j * k + i]]
-        assert bool(any_scored[j]) == bool(rows)
+        top = max((scores[r] for r in rows), default=None)
+        assert bool(learnt[j]) == (bool(rows) and (min_score is None or top >= min_score))
         if rows:
-            top = max(scores[r] for r in rows)
             assert int(best[j]) == next(r for r in rows if scores[r] == top)
 
 
-def test_raft_learns_each_prompts_best_completion_and_nothing_below_min_score(
+def test_raft_learns_each_prompts_best_completion_steps_on_nothing_below_min_score_and_runs_lora_in_bf16(
     run, tmp_path, tiny_model_dir, tiny_prompts_file
 ):
     """--log_completions: in every update, the one completion of each prompt marked learnt (advantage 1) is its best
-    scored; --min_score above every score: nothing is learnt, the saved weights are the initial ones"""
+    scored; --min_score above every score: no step, the saved weights are the initial ones; LoRA in bf16 runs"""
     (tmp_path / "reward.py").write_text(VOWELS)
     flags = (
         f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --reward_fn {tmp_path}/reward.py:vowels"
@@ -130,7 +134,13 @@ def test_raft_learns_each_prompts_best_completion_and_nothing_below_min_score(
     start = load_file(f"{tiny_model_dir}/model.safetensors")
     assert any(not torch.equal(v, start[k]) for k, v in load_file(out / "model.safetensors").items())
 
-    none = tmp_path / "none"
-    check_ok(run(f"raft.py {flags} --min_score 1000 --output_dir {none}", tmp_path))
+    none = tmp_path / "none"  # (with weight decay, which a step would apply)
+    check_ok(run(f"raft.py {flags} --min_score 1000 --weight_decay 0.1 --output_dir {none}", tmp_path))
     assert [r["raft/kept_fraction"] for r in read_metrics(none) if "raft/kept_fraction" in r] == [0.0, 0.0]
     assert all(torch.equal(v, start[k]) for k, v in load_file(none / "model.safetensors").items())
+
+    lora = tmp_path / "lora"
+    check_ok(run(f"raft.py {flags} --use_peft --bf16 --output_dir {lora}", tmp_path))
+    rows = read_metrics(lora)
+    assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert (lora / "adapter_model.safetensors").exists()

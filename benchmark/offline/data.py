@@ -16,10 +16,13 @@ groups = {}  # prompt -> its rows, in the file's order
 for line in open(os.path.join(REPO, "data", "scored.jsonl")):
     row = json.loads(line)
     groups.setdefault(json.dumps(row["prompt"]), []).append(row)
-with open(os.path.join(out, "prompts.jsonl"), "w") as prompts, open(os.path.join(out, "pairs.jsonl"), "w") as pairs:
-    for rows in groups.values():
-        prompts.write(json.dumps({"prompt": rows[0]["prompt"]}) + "\n")
-        best, worst = max(rows, key=lambda r: r["reward"]), min(rows, key=lambda r: r["reward"])
-        if best["reward"] > worst["reward"]:
-            pair = {"prompt": rows[0]["prompt"], "chosen": best["completion"], "rejected": worst["completion"]}
-            pairs.write(json.dumps(pair) + "\n")
+prompts, pairs = [], []
+for rows in groups.values():
+    prompts.append({"prompt": rows[0]["prompt"]})
+    best, worst = max(rows, key=lambda r: r["reward"]), min(rows, key=lambda r: r["reward"])
+    if best["reward"] > worst["reward"]:
+        pairs.append({"prompt": rows[0]["prompt"], "chosen": best["completion"], "rejected": worst["completion"]})
+for name, lines in [("prompts.jsonl", prompts), ("pairs.jsonl", pairs)]:
+    with open(os.path.join(out, name + ".tmp"), "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))  # (whole, for a run reading it meanwhile)

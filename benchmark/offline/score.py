@@ -67,15 +67,16 @@ def main():
         tokenizer = load_tokenizer(name)  # (pads on the left)
         heads = os.path.exists(os.path.join(name, ilql.ILQLModel.heads_file))
         model = ilql.load(name) if heads else load_pretrained(AutoModelForCausalLM, name).eval()
+        rows = []
         for beta in args.betas if heads else [None]:
             sampler = ilql.Shaped(model, beta) if heads else model
             mean, completions = score(sampler, tokenizer, prompts, args, args.seed)
-            row = {"model": os.path.basename(name.rstrip("/")), "beta": beta, "seed": args.seed, "score": mean,
-                   "samples": len(completions), "example": completions[0]}  # fmt: skip
-            print(json.dumps(row), flush=True)
-            if args.output:
-                with open(args.output, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            rows.append({"model": os.path.basename(name.rstrip("/")), "beta": beta, "seed": args.seed, "score": mean,
+                         "samples": len(completions), "example": completions[0]})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        if args.output:  # a model's rows together, once all are scored (study.sh looks for any of them)
+            with open(args.output, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # prompts, each with its VADER sentiment score), against filtered fine-tuning and DPO on the same rows, three seeds.
 # One pass over the data each: ilql.py (trlX's defaults); sft.py --keep best (each prompt's best completion), top (the
 # 256 best-scored rows) and random (256 rows whatever their score: the control); raft.py online (4 completions of each
-# training prompt sampled by the policy, the best of each kept and learnt, 1024 completions in all, the data's count);
+# training prompt sampled by the policy, the best of each kept and learnt, 1024 completions in all, the data's count,
+# in 16 steps of 16 kept completions as sft.py's 16 steps of 16 rows);
 # dpo.py on a pair per prompt (its best completion over its worst). Every model is then scored the same way on the 64
 # held-out prompts (benchmark/offline/score.py: top-k 20, temperature 1, as ilql.py samples; ILQL at sampling beta 0, 1
 # and 4), the base model beside them; benchmark/offline/report.py writes the table and figure.
@@ -37,7 +38,7 @@ for seed in $SEEDS; do
     done
     both "dpo_$seed" "$seed" python dpo.py --dataset_name "$OUT/pairs.jsonl" --seed "$seed" --learning_rate 1e-5
     both "raft_$seed" "$seed" python raft.py --dataset_name "$OUT/prompts.jsonl" --seed "$seed" --total_episodes 1024 \
-        --per_device_train_batch_size 16 --gradient_accumulation_steps 2 --response_length 48 --temperature 1 \
+        --per_device_train_batch_size 32 --gradient_accumulation_steps 2 --response_length 48 --temperature 1 \
         --learning_rate 2e-5
     both "ilql_$seed" "$seed" python ilql.py --seed "$seed" --eval_reward_fn None
 done
