@@ -120,9 +120,8 @@ class PolicyAndValue(nn.Module):
         super().__init__()
         self.policy, self.critic = policy, critic
         if critic is None:  # std 1 / sqrt(hidden + 1), as the N+ details study
-            hidden = policy.config.hidden_size
-            linear = value_head is None
-            self.value_head = init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed) if linear else value_head
+            hidden = policy.config.hidden_size  # (value_head: a module, never empty)
+            self.value_head = value_head or init_value_head(nn.Linear(hidden, 1), 1 / math.sqrt(hidden + 1), seed)
 
     def forward(self, input_ids, attention_mask, logits_to_keep, policy_only=False):
         shared = self.critic is None and not policy_only
