@@ -110,7 +110,7 @@ def kept(ds, args):
         utils.die(f"--keep {args.keep} ranks rows by `reward` within `prompt`: the dataset has {ds.column_names}")
     rewards = ds["reward"]
     for i, r in enumerate(rewards):
-        if isinstance(r, (bool, str)) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        if not infra.finite_number(r):
             utils.die(f"--keep {args.keep}: row {i}'s `reward` must be a finite number, got {r!r}")
     best = {}  # each prompt's best row
     for i, prompt in enumerate(ds["prompt"]):
@@ -118,7 +118,7 @@ def kept(ds, args):
         best[key] = i if key not in best or rewards[i] > rewards[best[key]] else best[key]
     if args.keep_rows is not None and args.keep_rows > len(ds):
         utils.die(f"--keep_rows {args.keep_rows}: the dataset has {len(ds)} rows")
-    n = min(args.keep_rows or len(best), len(ds))
+    n = args.keep_rows or len(best)  # (at most the rows: a larger --keep_rows is refused above)
     if args.keep == "best":
         rows = best.values()
     elif args.keep == "top":

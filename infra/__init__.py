@@ -31,6 +31,7 @@ from .flags import DataArgs, DynamicSamplingArgs, EnvArgs, EvalArgs, RefSyncArgs
 from .models import load_policy, load_policy_and_critic, prepare, router_coef
 from .offline import (
     ExampleArgs,
+    finite_number,
     load_examples,
     load_model,
     load_references,
@@ -48,6 +49,6 @@ __all__ = [
     "DataArgs", "EnvArgs", "EvalArgs", "DynamicSamplingArgs", "RefSyncArgs", "RolloutArgs", "RunArgs", "TldrArgs",
     "ExampleArgs", "PackingArgs", "lay_out",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
-    "read_examples", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
+    "read_examples", "finite_number", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
     "json_object", "at_least", "router_coef", "generate", "load_reward_fn", "call_reward_fn",
 ]  # fmt: skip

@@ -194,7 +194,7 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
     for i, (prompt, completion, label, tools) in enumerate(texts):
         if empty(completion):
             die(f"{where}, row {i}: empty completion")
-        if scored and (isinstance(label, (bool, str)) or not isinstance(label, (int, float)) or not math.isfinite(label)):
+        if scored and not finite_number(label):
             die(f"{where}, row {i}: `reward` must be a finite number, got {label!r}")
         if not scored and (isinstance(label, str) or label not in (True, False)):
             die(f"{where}, row {i}: `label` must be true or false, got {label!r}")
@@ -219,6 +219,11 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
 
 # read_examples' answer: the tokenizer, the training rows kept, the held-out ones (None without), whether they are
 # pairs or labelled completions (not sft's)
+def finite_number(value):
+    """whether a dataset's `reward` is a number: an int or a float (not a bool), finite"""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 Rows = namedtuple("Rows", "tokenizer train held_out pairs")
 
 
