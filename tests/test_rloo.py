@@ -343,3 +343,31 @@ def test_the_reference_sync_as_a_user_runs_it(run, tmp_path, tiny_model_dir, tin
         kl[name] = [row["objective/kl"] for row in read_metrics(out)]
     assert kl["sync"][0] == kl["none"][0] == 0.0
     assert abs(kl["sync"][1]) < 1e-5 and abs(kl["none"][1]) > 1e-3, kl
+
+
+def test_no_kl_in_the_reward_skips_the_rollout_policy_pass(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--kl_coef 0 with one epoch of one mini-batch: the rollout's policy logprobs are the update's own, detached (the
+    rollout's pass is skipped), so every ratio is exactly 1; a run at --kl_coef 1e-30 (the same rewards: the penalty
+    is far below the scores' last bit) runs that pass, whose micro-batches of 2 rows run the prompts of the k = 4
+    completions in full where the rollout ran each once, so its ratios differ from 1 in the last bits. Everything
+    else, the KL metric (from the filled-in logprobs) and the trained weights included, is the same up to rounding."""
+    import torch
+    from safetensors.torch import load_file
+
+    (tmp_path / "reward.py").write_text(VOWELS)
+    base = (
+        f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --rloo_k 4 --total_episodes 32"
+        f" --reward_fn {tmp_path}/reward.py:vowels --per_device_train_batch_size 2 --gradient_accumulation_steps 8"
+        " --response_length 8 --temperature 1.0 --learning_rate 1e-2 --num_sample_generations 0"
+    )
+    for name, coef in (("skipped", "0"), ("pass", "1e-30")):
+        check_ok(run(f"{base} --kl_coef {coef} --output_dir {tmp_path / name}", cwd=tmp_path))
+    skipped, passed = read_metrics(tmp_path / "skipped"), read_metrics(tmp_path / "pass")
+    assert len(skipped) == 2 and all(r["val/ratio"] == 1.0 and r["policy/approxkl_avg"] == 0.0 for r in skipped)
+    assert any(r["val/ratio"] != 1.0 for r in passed)
+    assert abs(skipped[1]["objective/kl"]) > 1e-4  # (the policy has moved from the reference after the first step)
+    for ours, theirs in zip(skipped, passed):
+        for key in set(KEYS) - {"eps", "val/ratio", "val/ratio_var", "policy/approxkl_avg", "objective/non_score_reward"}:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    a, b = load_file(tmp_path / "skipped" / "model.safetensors"), load_file(tmp_path / "pass" / "model.safetensors")
+    assert all(torch.allclose(a[n], b[n], atol=1e-4) for n in a)  # (Adam: 1e-2 a step, its rounding amplified)
