@@ -164,6 +164,9 @@ def main(args):
 
     # a micro-batch of whole prompts runs each prompt once for its k completions (utils.forward_grouped)
     train_group = 1 if args.per_device_train_batch_size % k else k
+    # no KL in the reward and one pass over one mini-batch: the update's own logprobs, detached, are the rollout policy's
+    # (it takes its only step after reading them), so the rollout skips that forward pass (grpo.py's on_policy)
+    skip_pass = args.kl_coef == 0 and args.kl_estimator != "full" and args.num_ppo_epochs == args.num_mini_batches == 1
 
     for update in run.updates():  # from the one after the newest checkpoint with --resume
         # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
@@ -187,9 +190,12 @@ def main(args):
 
         # autocast (a no-op without mixed precision) covers the reference too, which accelerate did not wrap
         with torch.no_grad(), accelerator.autocast():
-            # 2. logprobs of the distribution sampled from (logits / temperature), the policy's and the reference's
+            # 2. logprobs of the distribution sampled from (logits / temperature), the policy's and the reference's; the
+            # policy's filled in by the update where on_policy (not for an engine's or a stale sample: its weights need them)
             unwrapped = accelerator.unwrap_model(policy)
-            logprobs = utils.rollout_logprobs(unwrapped, batch, args.temperature)
+            on_policy = skip_pass and batch.behaviour_logprobs is None
+            logprobs = torch.zeros(sampled.shape, device=run.device)
+            logprobs = logprobs if on_policy else utils.rollout_logprobs(unwrapped, batch, args.temperature)
             with utils.reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                 ref_logprobs = utils.rollout_logprobs(ref, batch, args.temperature)
 
@@ -241,6 +247,9 @@ def main(args):
                         new_logprobs, entropy = utils.logprobs_from_logits(
                             logits, batch.responses[micro], args.temperature, with_entropy=True
                         )
+                        if on_policy:  # the policy has not stepped since the rollout: these are its logprobs
+                            logprobs[micro] = new_logprobs.detach().masked_fill(~sampled[micro], utils.INVALID_LOGPROB)
+                            seq_logprobs[micro] = new_logprobs.detach().masked_fill(~counted[micro], 0.0).sum(1)
                         new_logprobs = new_logprobs.masked_fill(~counted[micro], 0.0)
                         # the sequence-level ratio: RLOO treats a whole completion as one action
                         logprobs_diff = new_logprobs.sum(1) - seq_logprobs[micro]
@@ -278,6 +287,8 @@ def main(args):
                 if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:  # TR-DPO: the reference moves
                     utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)
         policy.eval()
+        if on_policy:  # the KL, 0 in the reward, for the metrics
+            kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(~counted, 0.0)
 
         # the update's statistics, averaged over the processes as they are written
         stats.add(
