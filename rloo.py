@@ -170,8 +170,10 @@ def main(args):
             # policy's filled in by the update where on_policy (not for an engine's or a stale sample: its weights need them)
             unwrapped = accelerator.unwrap_model(policy)
             on_policy = skip_pass and batch.behaviour_logprobs is None
-            logprobs = torch.zeros(sampled.shape, device=run.device)
-            logprobs = logprobs if on_policy else utils.rollout_logprobs(unwrapped, batch, args.temperature)
+            if on_policy:
+                logprobs = torch.zeros(sampled.shape, device=run.device)
+            else:
+                logprobs = utils.rollout_logprobs(unwrapped, batch, args.temperature)
             with utils.reference_model(unwrapped, ref_policy) as ref:  # with LoRA, the policy without its adapters
                 ref_logprobs = utils.rollout_logprobs(ref, batch, args.temperature)
 
