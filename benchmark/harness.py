@@ -113,24 +113,41 @@ def gradient_report(g_ours, g_trl, parts=("",)):
         print(f"  {r:.3e}  {n}  (|g_trl| {g_trl[n].norm().item():.3e})")
 
 
-def peer_log(output, batch):
+def peer_log(output, batch, held_out=None, every=0):
     """The metrics callback of the TRL 1.x peers (synthetic/trl_rloo.py, synthetic/trl_grpo.py, curves/trl_real.py):
     one JSON row per optimiser step in OUTPUT/metrics.jsonl (episode, seconds since training began, reward, per-token
     KL, mean completion length), so the harnesses read every peer as they read our scripts. batch: completions per
-    optimiser step."""
+    optimiser step. held_out(model) -> {"eval/...": number}: an evaluation row (with the seconds of training so far)
+    before training, every `every` optimiser steps and at the end, its time left out of the seconds, as our scripts
+    leave it out of eps."""
     from transformers import TrainerCallback
 
+    def write(row):
+        with open(os.path.join(output, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     class Log(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
+        def evaluate(self, state, model):
+            began = time.time()
+            metrics = held_out(model)
+            write({"episode": state.global_step * batch, "seconds": began - self.start, **metrics})
+            self.start += time.time() - began
+
+        def on_train_begin(self, _args, state, _control, model=None, **kw):
             self.start = time.time()
+            if held_out is not None:
+                self.evaluate(state, model)
+
+        def on_step_end(self, _args, state, _control, model=None, **kw):
+            if held_out is not None and (state.global_step % every == 0 or state.global_step == state.max_steps):
+                self.evaluate(state, model)
 
         def on_log(self, _args, state, _control, logs=None, **kw):
             if logs and "reward" in logs:
                 row = {"episode": state.global_step * batch, "seconds": time.time() - self.start, "reward": logs["reward"]}
                 row["kl"] = logs.get("kl")
                 row["length"] = logs.get("completions/mean_length")
-                with open(os.path.join(output, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                write(row)
 
     return Log()
 

@@ -265,7 +265,9 @@ class Run:
         args = self.args
         crossed = args.eval_every and self.episode // args.eval_every > (self.episode - args.batch_size) // args.eval_every
         if update == args.num_updates or crossed:
+            began = time.time()
             self.evaluate()
+            self.start_time += time.time() - began  # eps: the rate of training, the evaluations' time aside
         if args.checkpoint_every and update % args.checkpoint_every == 0:
             state = {"update": update, "episode": self.episode, **(state or {})}
             ahead = self.sampler.ahead if self.sampler is not None else None  # --max_staleness's batches in flight

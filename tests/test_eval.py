@@ -33,7 +33,13 @@ def vowels(c):
 def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    (tmp_path / "rewards.py").write_text(REWARDS)
+    rewards = REWARDS
+    if script == "rloo.py":  # the evaluation made slow: its time is no part of eps, the rate of training
+        slow = "    import time\n    time.sleep(0.5 if 30 in target else 0.0)\n"
+        rewards = REWARDS.replace(
+            "def near(prompts, completions, target):\n", "def near(prompts, completions, target):\n" + slow
+        )
+    (tmp_path / "rewards.py").write_text(rewards)
     with open(tiny_prompts_file) as f:  # the training prompts, with the column the second reward reads
         train = [{**json.loads(line), "target": 20} for line in f]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
@@ -54,6 +60,9 @@ def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny
     assert [r["episode"] for r in rows] == [0, 32, 48]  # before training, every 32 episodes, at the end
     assert rows == json.load(open(out / "eval.json"))
     assert rows[0]["eval/scores"] != rows[-1]["eval/scores"]  # the policy moved between them
+    if script == "rloo.py":  # the third update's seconds of training: episodes over eps, less the first two's
+        second, third = [r for r in read_metrics(out) if "eps" in r][1:]
+        assert 48 / third["eps"] - 32 / second["eps"] < 1.0  # (the evaluation between them sleeps 0.5 s a call)
 
     # the last evaluation is the saved model's: its greedy completions, from plain transformers, prompt by prompt
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -64,8 +64,9 @@ def convert(name, folder):
     return folder
 
 
-def command(system, algo, model, task, seed, updates, run_dir, peer_checkpointing, gpu):
-    data, reward, _ = TASKS[task]
+def command(system, algo, model, task, seed, updates, run_dir, peer_checkpointing, gpu, data=None):
+    """a run's command line; data: its prompts (default: the task's)"""
+    data, reward = data or TASKS[task][0], TASKS[task][1]
     if system == "trl":
         cmd = [sys.executable, os.path.join(HERE, "trl_real.py"), algo, run_dir, "--model", model, "--reward", reward]
         cmd += ["--dataset", os.path.join(REPO, data), "--updates", str(updates), "--k", str(K), "--seed", str(seed)]

@@ -1,7 +1,8 @@
 """The peer for the real-model curves (curves.py): TRL's RLOOTrainer or GRPOTrainer on SmolLM2-135M-Instruct (as a
 transformers folder), the shipped prompts and the project's own built-in reward functions, with the settings
 curves.py gives both sides. Logs one JSON row per optimiser step to OUTPUT/metrics.jsonl (episode, seconds since
-training began, reward, per-token KL, mean completion length), as the other peers do. By hand:
+training began, reward, per-token KL, mean completion length), as the other peers do; with --eval_dataset, rows of our
+scripts' held-out evaluation of the model (speedrun.py), their time left out of the seconds. By hand:
 python benchmark/curves/trl_real.py rloo OUTPUT --dataset data/arithmetic.jsonl --reward accuracy --updates 24 ..."""
 
 import argparse
@@ -29,6 +30,8 @@ parser.add_argument("--gradient_checkpointing", action="store_true", help="TRL's
 parser.add_argument("--gpu", action="store_true", help="on the GPU in bf16 (curves.py --gpu); default: the CPU, fp32")
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument("--use_vllm", action="store_true", help="TRL's colocate vLLM engine (needs a GPU and vllm)")
+parser.add_argument("--eval_dataset", default=None, help="held-out prompts, evaluated as our scripts evaluate them")
+parser.add_argument("--eval_every", type=int, default=4, help="optimiser steps between evaluations (--eval_dataset)")
 args = parser.parse_args()
 
 import datasets  # noqa: E402  (after argparse, so --help is instant)
@@ -87,12 +90,42 @@ config = Config(
     vllm_gpu_memory_utilization=0.3,
 )
 tokenizer = load_tokenizer(args.model)  # left padding, the EOS token as pad if it has none, as our scripts
+
+
+def held_out(model):
+    """Our scripts' held-out evaluation (infra.evaluation.evaluate: each prompt's greedy completion, scored by the same
+    reward function) of the model TRL trains, so that both sides are scored alike"""
+    metrics, _ = evaluate(
+        trainer.accelerator,
+        model,
+        tokenizer,
+        sources=sources,
+        eval_set=eval_set,
+        response_length=args.response_length,
+        stop_token_id=tokenizer.eos_token_id,
+        batch_size=64,
+    )
+    return metrics
+
+
+if args.eval_dataset is not None:
+    from types import SimpleNamespace
+
+    from infra.data import load_eval
+    from infra.evaluation import evaluate
+    from infra.rewards import load_reward_sources
+
+    flags = dict(eval_dataset_name=args.eval_dataset, eval_split="train", prompt_field="prompt", max_prompt_length=128)
+    eval_set = load_eval(SimpleNamespace(**flags), tokenizer, columns={})
+    flags = dict(reward_model_paths=[], reward_fn=[args.reward], reward_weights=None, trust_remote_code=False)
+    sources = load_reward_sources(SimpleNamespace(**flags), tokenizer, eval_set[3])
+log = harness.peer_log(args.output, batch, held_out if args.eval_dataset else None, every=args.eval_every)
 trainer = Trainer(
     model=args.model,  # a path, so that TRL loads its reference model (beta > 0) from it too
     reward_funcs=reward,
     args=config,
     train_dataset=dataset,
     processing_class=tokenizer,
-    callbacks=[harness.peer_log(args.output, batch)],
+    callbacks=[log],
 )
 trainer.train()
