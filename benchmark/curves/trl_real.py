@@ -92,22 +92,7 @@ config = Config(
 tokenizer = load_tokenizer(args.model)  # left padding, the EOS token as pad if it has none, as our scripts
 
 
-def held_out(model):
-    """Our scripts' held-out evaluation (infra.evaluation.evaluate: each prompt's greedy completion, scored by the same
-    reward function) of the model TRL trains, so that both sides are scored alike"""
-    metrics, _ = evaluate(
-        trainer.accelerator,
-        model,
-        tokenizer,
-        sources=sources,
-        eval_set=eval_set,
-        response_length=args.response_length,
-        stop_token_id=tokenizer.eos_token_id,
-        batch_size=64,
-    )
-    return metrics
-
-
+held_out = None  # with --eval_dataset: our scripts' held-out evaluation of the model TRL trains
 if args.eval_dataset is not None:
     from types import SimpleNamespace
 
@@ -119,7 +104,24 @@ if args.eval_dataset is not None:
     eval_set = load_eval(SimpleNamespace(**flags), tokenizer, columns={})
     flags = dict(reward_model_paths=[], reward_fn=[args.reward], reward_weights=None, trust_remote_code=False)
     sources = load_reward_sources(SimpleNamespace(**flags), tokenizer, eval_set[3])
-log = harness.peer_log(args.output, batch, held_out if args.eval_dataset else None, every=args.eval_every)
+
+    def held_out(model):
+        """infra.evaluation.evaluate (each prompt's greedy completion, scored by the same reward function), as our
+        scripts call it, so that both sides are scored alike"""
+        metrics, _ = evaluate(
+            trainer.accelerator,
+            model,
+            tokenizer,
+            sources=sources,
+            eval_set=eval_set,
+            response_length=args.response_length,
+            stop_token_id=tokenizer.eos_token_id,
+            batch_size=64,
+        )
+        return metrics
+
+
+log = harness.peer_log(args.output, batch, held_out, every=args.eval_every)
 trainer = Trainer(
     model=args.model,  # a path, so that TRL loads its reference model (beta > 0) from it too
     reward_funcs=reward,

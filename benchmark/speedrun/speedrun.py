@@ -125,19 +125,19 @@ if __name__ == "__main__":
 
     peer = f"TRL {algo.upper()}Trainer"
 
-    def seconds(values):
-        return ", ".join("never" if t is None else f"{t:.0f}" for t in values)
+    def per_seed(values):
+        return ", ".join("never" if v is None else f"{v:.0f}" for v in values)
 
     table = f"| {args.task}, held-out score {target}, seeds {' '.join(map(str, args.seeds))} | {ours} | {peer} |\n"
     table += "| --- | --- | --- |\n"
     cells = [
-        ("seconds of training to the target, per seed", lambda r: seconds(r["seconds_to_target"])),
+        ("seconds of training to the target, per seed", lambda r: per_seed(r["seconds_to_target"])),
         ("mean over the seeds reaching it", lambda r: "never" if r["seconds_to_target_mean"] is None else
             f"{r['seconds_to_target_mean']:.0f} ({sum(t is not None for t in r['seconds_to_target'])}/{len(args.seeds)})"),
-        ("updates to the target, per seed", lambda r: seconds(r["updates_to_target"])),
+        ("updates to the target, per seed", lambda r: per_seed(r["updates_to_target"])),
         ("held-out score before training, per seed", lambda r: ", ".join(f"{v:.3f}" for v in r["start_scores"])),
         ("held-out score at the end, per seed", lambda r: ", ".join(f"{v:.3f}" for v in r["final_scores"])),
-        ("seconds of training in all, per seed", lambda r: seconds(r["seconds_of_training"])),
+        ("seconds of training in all, per seed", lambda r: per_seed(r["seconds_of_training"])),
     ]  # fmt: skip
     for label, cell in cells:
         table += f"| {label} | {cell(results[ours])} | {cell(results['trl'])} |\n"
