@@ -11,6 +11,8 @@ import torch
 
 from utils import die, forward, positions, sampling_logits
 
+from .onednn import packed
+
 
 def sample_tokens(logits, rule, uniforms, seen=None):
     """One token per row from softmax(rule(logits, seen)) (the script's sampling rule: utils.sampling_logits with the
@@ -73,36 +75,37 @@ def generate(
     (ZeRO-3, where each forward pass needs every process): stop only once every process's rows have stopped.
     max_position: positions past it are held there (the caller throws away a row's tokens past its context's end;
     attention being causal, they change none before). Returns responses (batch, <= response_length)."""
-    rule = as_rule(rule)
-    uniforms = (torch.rand(len(queries), response_length) if uniforms is None else uniforms).to(queries.device)
-    out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
-    if group > 1:  # (prompts, ...) -> (prompts * group, ...)
-        out.past_key_values.batch_repeat_interleave(group)
-        out.logits = out.logits.repeat_interleave(group, 0)
-    seen = seen_tokens(queries, query_mask, out.logits.shape[-1], rule)
-    mask = query_mask
-    places = positions(mask)[:, -1:]
-    done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    tokens = []
-    for t in range(response_length):
-        token = sample_tokens(out.logits[:, -1], rule, uniforms[:, t], seen)  # (batch, 1)
-        tokens.append(token)
-        if seen is not None:
-            seen.scatter_(1, token, True)
-        if stop_token_id is not None:
-            done |= token[:, 0] == stop_token_id
-        if t == response_length - 1:
-            break
-        if synced:
-            pending = (~done).any().float()  # rows still running here; summed over the processes
-            torch.distributed.all_reduce(pending)
-            if pending.item() == 0:
+    with packed(model, len(queries)):  # (--onednn: the weights in oneDNN's layout while they are fixed)
+        rule = as_rule(rule)
+        uniforms = (torch.rand(len(queries), response_length) if uniforms is None else uniforms).to(queries.device)
+        out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)
+        if group > 1:  # (prompts, ...) -> (prompts * group, ...)
+            out.past_key_values.batch_repeat_interleave(group)
+            out.logits = out.logits.repeat_interleave(group, 0)
+        seen = seen_tokens(queries, query_mask, out.logits.shape[-1], rule)
+        mask = query_mask
+        places = positions(mask)[:, -1:]
+        done = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+        tokens = []
+        for t in range(response_length):
+            token = sample_tokens(out.logits[:, -1], rule, uniforms[:, t], seen)  # (batch, 1)
+            tokens.append(token)
+            if seen is not None:
+                seen.scatter_(1, token, True)
+            if stop_token_id is not None:
+                done |= token[:, 0] == stop_token_id
+            if t == response_length - 1:
                 break
-        elif done.all():
-            break
-        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-        places = places + 1 if max_position is None else (places + 1).clamp(max=max_position)
-        out = model(
-            input_ids=token, attention_mask=mask, position_ids=places, past_key_values=out.past_key_values, use_cache=True
-        )
-    return torch.cat(tokens, dim=1)
+            if synced:
+                pending = (~done).any().float()  # rows still running here; summed over the processes
+                torch.distributed.all_reduce(pending)
+                if pending.item() == 0:
+                    break
+            elif done.all():
+                break
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            places = places + 1 if max_position is None else (places + 1).clamp(max=max_position)
+            out = model(
+                input_ids=token, attention_mask=mask, position_ids=places, past_key_values=out.past_key_values, use_cache=True
+            )
+        return torch.cat(tokens, dim=1)

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from utils import PolicyAndValue, die, init_value_head
 
+from . import onednn
 from .data import looks_local, note
 from .flags import json_object
 
@@ -57,7 +58,7 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, TypeError) as e:  # (TypeError: a keyword the model does not take)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
-    model = obj[0] if isinstance(obj, tuple) else obj  # (output_loading_info: the model and the loading's report)
+    model = onednn.route(obj[0] if isinstance(obj, tuple) else obj)  # (output_loading_info: the model, its report)
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         # transformers dequantizes GGUF weights to fp32; without the marker the model trains and saves as any other
         model.hf_quantizer.remove_quantization_config(model)

@@ -239,7 +239,8 @@ def push_to_hub(output_dir, repo_id, private):
 RESUMABLE = {
     "resume", "output_dir", "exp_name", "track", "wandb_project_name", "wandb_entity", "checkpoint_every",
     "keep_checkpoints", "save_model", "num_sample_generations", "trust_remote_code", "local_rollout_forward_batch_size",
-    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private", "cuda_graphs", "quiet",
+    "gradient_checkpointing", "eval_batch_size", "push_to_hub", "hub_model_id", "hub_private", "cuda_graphs", "onednn",
+    "quiet",
 }  # fmt: skip
 # the files a resumed run cuts back to its checkpoint: their rows past it are written again
 LOGS = ["metrics.jsonl", "completions.jsonl"]

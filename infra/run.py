@@ -14,7 +14,7 @@ from accelerate import Accelerator
 
 from utils import PolicyAndValue, die, forward
 
-from . import tldr
+from . import onednn, tldr
 from .data import Shuffled, lm_loss, load_eval, load_prompts, load_ptx, note, ptx_batch
 from .environments import Environments
 from .evaluation import evaluate, record_eval
@@ -335,6 +335,7 @@ def start(args, k=1, default_reward="sentiment", examples=None):
         accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm
     )
     args.distributed_type = accelerator.distributed_type.value
+    onednn.switch(args.onednn and accelerator.device.type == "cpu" and not zero3(accelerator))  # the models loaded next
     args.world_size = accelerator.num_processes
     # TRL's generation_batch_size (a rollout's completions) and steps_per_generation (its micro-batches): the mini-batches
     steps, micro = getattr(args, "steps_per_generation", None), args.per_device_train_batch_size * args.world_size

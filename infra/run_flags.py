@@ -89,6 +89,10 @@ class TrainArgs(Checked):
     """gradient clipping norm (0: no clipping, as TRL)"""
     bf16: bool = False
     """bf16 mixed precision, for every model (the same as `accelerate launch --mixed_precision bf16`)"""
+    onednn: bool = True
+    """on a CPU, the float32 products of the models' linear layers by oneDNN, forward and backward, instead of torch's
+    BLAS (MKL, at half the rate on AMD processors): the same products, float32's last bits summed in another order
+    (infra/onednn.py). No effect on a GPU, under --bf16 (oneDNN already) or ZeRO-3; --no_onednn: off"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
     use_peft: bool = False

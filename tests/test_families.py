@@ -303,6 +303,29 @@ def test_generate_equals_a_greedy_full_forward(name, attn):
 
 
 @pytest.mark.parametrize("name, attn", SUPPORTED)
+def test_onednn_layers_give_the_logits_gradients_and_draws_of_the_plain_model(name, attn, monkeypatch):
+    """--onednn's layers (infra/onednn.py, every nn.Linear of the family routed): the plain model's logits and
+    gradients, and generate()'s draws (its weights packed), on fixed uniform numbers."""
+    plain = build(name, attn)
+    monkeypatch.setattr(infra.onednn, "ON", False)
+    infra.onednn.switch(True)
+    model = infra.onednn.route(copy.deepcopy(plain))
+    assert any(type(m) is infra.onednn.Linear for m in model.modules())
+    queries, qmask, responses, rmask, _ = batch()
+    seqs, mask, width = torch.cat([queries, responses], 1), torch.cat([qmask, rmask], 1), responses.shape[1]
+    (ours, our_grads), (theirs, their_grads) = (
+        loss_and_grads(m, utils.forward(m, seqs, mask).logits[:, -width - 1 :], responses, rmask) for m in (model, plain)
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    scale = max(g.abs().max() for g in their_grads)
+    for a, b in zip(our_grads, their_grads):
+        torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
+    uniforms = torch.rand(len(queries), 6, generator=torch.Generator().manual_seed(0))
+    draws = [infra.decode.generate(m, queries, qmask, 6, 1.0, uniforms=uniforms, group=3) for m in (model, plain)]
+    assert draws[0].tolist() == draws[1].tolist()
+
+
+@pytest.mark.parametrize("name, attn", SUPPORTED)
 def test_graph_decoder_draws_what_generate_draws(name, attn):
     """--cuda_graphs' decoding (GraphDecoder: a static KV cache and 4D masks, run here without the capture, which needs a
     GPU) against generate(): the same tokens from the same uniforms, greedy and at temperature 0.7, with top-k, top-p,
