@@ -10,6 +10,7 @@
     ahead         --max_staleness: the batches of the next updates sampled in a thread on a copy of the policy
     decode        the scripts' own decoder, generate(), its inverse-CDF draw by the script's sampling rule
     graphs        --cuda_graphs (on a GPU, by default): decoding steps captured in CUDA graphs
+    onednn        --onednn (on a CPU, by default): the linear layers' float32 products by oneDNN
     engine        --use_vllm: a vLLM engine in the training process
     evaluation    the held-out evaluation
     outputs       output_dir, resume, checkpoints, logs, the model card and the hub

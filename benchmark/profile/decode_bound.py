@@ -9,11 +9,13 @@ copies, as rloo.py and grpo.py sample), 24 tokens, temperature 0.7, infra.decode
 - bytes / bandwidth: every weight a step reads (the linear layers and the LM head; the embedding's few rows aside) and
   the KV cache at the mean context, over the read bandwidth (a sum over 1 GiB, the best of five);
 - FLOPs / peak: 2 x rows x the weights read, plus the attention over the cache, over the matmul peak (1024 x 1024
-  products, the best of eight half-second windows, measured before and after the cases).
+  products, the best of eight half-second windows, measured before and after the cases; in fp32 the faster of torch's
+  own product, MKL, and oneDNN's, which on an AMD processor is about twice MKL's).
 Also measured: the step's matrix products alone (every linear weight of the model and the LM head applied to rows x
 in, in order, nothing else: what the matmul library does at this shape) and the torch profiler's split of a step (the
-products, the attention, the rest). In fp32 (the default run), under autocast bf16 (--bf16: weights cast once per
-rollout, the products in bf16) and with the weights held in bf16 (the bound's case for bf16)."""
+products, the attention, the rest). In fp32 with the linear layers routed through oneDNN (--onednn, the default run on
+a CPU) and without (--no_onednn: MKL), under autocast bf16 (--bf16: weights cast once per rollout, the products in
+bf16) and with the weights held in bf16 (the bound's case for bf16)."""
 
 import argparse
 import json
@@ -27,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from infra import onednn  # noqa: E402
 from infra.decode import generate  # noqa: E402
 
 
@@ -46,29 +49,40 @@ def bandwidth():
     return x.numel() * 4 / best(x.sum, 5)
 
 
-def peak(dtype, windows=8, seconds=0.5, n=1024):
-    """FLOP/s of n x n matrix products, the best of several short windows (a window that a neighbour slowed counts
-    for nothing)"""
+def peak(dtype, windows=8, seconds=0.5, n=1024, library="torch"):
+    """FLOP/s of n x n matrix products (torch's own, or oneDNN's on a packed weight), the best of several short
+    windows (a window that a neighbour slowed counts for nothing)"""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
+    if library == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+        multiply = lambda: onednn.product(a, packed)  # noqa: E731
+    else:
+        multiply = lambda: a @ b  # noqa: E731
+    multiply()
     rates = []
     for _ in range(windows):
         done, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            a @ b
+            multiply()
             done += 1
         rates.append(done * 2 * n**3 / (time.perf_counter() - start))
     return max(rates)
 
 
-def products(model, rows, dtype):
-    """seconds of the step's matrix products alone: every linear weight (and the LM head) on (rows, in)"""
+def products(model, rows, dtype, routed=False):
+    """seconds of the step's matrix products alone: every linear weight (and the LM head) on (rows, in); routed: by
+    oneDNN on packed weights, as --onednn's decoding"""
     weights = [m.weight.to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
+    if routed:
+        weights = [(w, torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
 
     def run():
         for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
+            if routed:
+                onednn.product(inputs[w[0].shape[1]], w[1])
+            else:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
 
     run()
     return best(run)
@@ -88,7 +102,7 @@ def split(model, queries, mask, steps, group):
         for e in p.key_averages():
             seconds = sign * e.self_cpu_time_total / 1e6
             parts["total"] += seconds
-            if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"):
                 parts["products"] += seconds
             elif "attention" in e.key:
                 parts["attention"] += seconds
@@ -114,17 +128,23 @@ def main():
     queries = enc.input_ids.repeat_interleave(args.group, 0)  # (rows, width): each prompt's copies together
     mask = enc.attention_mask.repeat_interleave(args.group, 0)
 
-    machine = {"read_GBps": bandwidth() / 1e9, "peak_fp32_GFLOPs": peak(torch.float32) / 1e9}
+    machine = {"read_GBps": bandwidth() / 1e9, "peak_fp32_mkl_GFLOPs": peak(torch.float32) / 1e9}
+    machine["peak_fp32_onednn_GFLOPs"] = peak(torch.float32, library="onednn") / 1e9
+    machine["peak_fp32_GFLOPs"] = max(machine["peak_fp32_mkl_GFLOPs"], machine["peak_fp32_onednn_GFLOPs"])
     machine["peak_bf16_GFLOPs"] = peak(torch.bfloat16) / 1e9
     results = {"machine": machine, "setting": vars(args), "cases": {}}
     print(json.dumps(machine))
     cases = [
-        ("fp32", torch.float32, False),
-        ("autocast bf16 (--bf16)", torch.float32, True),
-        ("bf16 weights", torch.bfloat16, False),
+        ("fp32 --onednn (the default run)", torch.float32, False, True),
+        ("fp32 --no_onednn", torch.float32, False, False),
+        ("autocast bf16 (--bf16)", torch.float32, True, False),
+        ("bf16 weights", torch.bfloat16, False, False),
     ]
-    for name, dtype, autocast in cases:
+    onednn.switch(True)
+    for name, dtype, autocast, routed in cases:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        if routed:
+            onednn.route(model)
         cfg = model.config
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         width = 2 if dtype == torch.bfloat16 or autocast else 4
@@ -147,7 +167,7 @@ def main():
             "bound_bytes_s": bound["bytes"],
             "bound_flops_s": bound["flops"],
             "step_over_bound": step / max(bound.values()),
-            "products_alone_s": products(model, args.rows, low),
+            "products_alone_s": products(model, args.rows, low, routed),
             "profiler_s": parts,
             "weights_MB": linear * width / 1e6,
             "kv_MB": kv / 1e6,
@@ -155,7 +175,8 @@ def main():
         }
         results["cases"][name] = case
         print(name, json.dumps(case))
-    after = {"peak_fp32_GFLOPs": peak(torch.float32) / 1e9, "peak_bf16_GFLOPs": peak(torch.bfloat16) / 1e9}
+    after = {"peak_fp32_mkl_GFLOPs": peak(torch.float32) / 1e9, "peak_bf16_GFLOPs": peak(torch.bfloat16) / 1e9}
+    after["peak_fp32_onednn_GFLOPs"] = peak(torch.float32, library="onednn") / 1e9
     results["machine_after"] = after
     print(json.dumps(after))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
