@@ -75,7 +75,7 @@ def generate(
     (ZeRO-3, where each forward pass needs every process): stop only once every process's rows have stopped.
     max_position: positions past it are held there (the caller throws away a row's tokens past its context's end;
     attention being causal, they change none before). Returns responses (batch, <= response_length)."""
-    with packed(model, len(queries)):  # (--onednn: the weights in oneDNN's layout while they are fixed)
+    with packed(model, len(queries), response_length):  # (--onednn: the weights in oneDNN's layout while they are fixed)
         rule = as_rule(rule)
         uniforms = (torch.rand(len(queries), response_length) if uniforms is None else uniforms).to(queries.device)
         out = forward(model, queries[::group], query_mask[::group], use_cache=True, logits_to_keep=1)

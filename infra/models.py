@@ -317,7 +317,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
         else:
             config = copy.deepcopy(policy.config)
             config.num_labels = 1
-            critic = AutoModelForSequenceClassification.from_config(config)
+            critic = onednn.route(AutoModelForSequenceClassification.from_config(config))
             getattr(critic, critic.base_model_prefix).load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
         init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)  # as transformers
     policy = trainable(policy, args, gradient_checkpointing=False)  # (after the critic took a copy of the trunk)

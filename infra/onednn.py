@@ -1,7 +1,7 @@
 """--onednn (on by default, on a CPU): the float32 products of the models' linear layers through oneDNN, forward and
 backward, instead of torch's BLAS. torch multiplies float32 matrices on an x86 CPU with MKL, which on AMD processors
-runs at about half of what oneDNN gets from the same cores (1024 x 1024 products: 210 against 466 GFLOP/s on this
-project's AMD EPYC; benchmark/results/profile); bfloat16 products (--bf16) already go through oneDNN. The same
+runs at less than half of what oneDNN gets from the same cores (1024 x 1024 products: 209 against 473 GFLOP/s on
+this project's AMD EPYC; benchmark/results/profile); bfloat16 products (--bf16) already go through oneDNN. The same
 products summed in another order: float32's last bits differ, as between two batch sizes, not the arithmetic.
 route() gives a model's nn.Linear layers the Linear class below (infra.models.load_pretrained, where start() has
 switched it on); packed() holds their weights in oneDNN's own layout for one generate() call, whose weights are fixed.
@@ -66,7 +66,8 @@ class Linear(torch.nn.Linear):
         if torch.is_autocast_enabled("cpu"):
             return super().forward(x)
         flat = x.reshape(-1, x.shape[-1])  # (..., in) -> (rows, in)
-        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+        bias_grad = self.bias is not None and self.bias.requires_grad
+        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad or bias_grad):
             return Product.apply(flat, w, self.bias).view(*x.shape[:-1], w.shape[0])
         return product(flat, PACKED.get(self, w), self.bias).view(*x.shape[:-1], w.shape[0])
 
@@ -83,10 +84,12 @@ def route(model):
 
 
 @contextlib.contextmanager
-def packed(model, rows):
+def packed(model, rows, steps):
     """Within it, model's routed layers read their weights from copies in oneDNN's layout for products of about rows
-    rows (a decoding step's), made on entry: for weights that do not change inside (no gradient is taken through)."""
-    layers = model.modules() if isinstance(model, torch.nn.Module) else []  # (a test's stand-in: a function)
+    rows (a decoding step's), made on entry: for weights that do not change inside (no gradient is taken through). Only
+    for calls of at least 16 steps: making the copies costs about ten steps' savings (SmolLM2-135M, 16 rows)."""
+    routed = isinstance(model, torch.nn.Module) and steps >= 16 and not torch.is_autocast_enabled("cpu")  # (bf16's)
+    layers = model.modules() if routed else []  # (not a module: a test's stand-in, a function)
     layers = [m for m in layers if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     try:
         for layer in layers:

@@ -98,6 +98,15 @@ def kill_after_rows(proc, output_dir, rows, group=False):
     return len(open(path).read().splitlines())
 
 
+@pytest.fixture(autouse=True)
+def onednn_off():
+    """--onednn switched off after each test: a test that runs a script's main() in this process (start() switches it
+    on) leaves no later test's models routed"""
+    yield
+    if "infra.onednn" in sys.modules:
+        sys.modules["infra.onednn"].ON = False
+
+
 @pytest.fixture
 def run():
     return run_script

@@ -320,8 +320,8 @@ def test_onednn_layers_give_the_logits_gradients_and_draws_of_the_plain_model(na
     scale = max(g.abs().max() for g in their_grads)
     for a, b in zip(our_grads, their_grads):
         torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
-    uniforms = torch.rand(len(queries), 6, generator=torch.Generator().manual_seed(0))
-    draws = [infra.decode.generate(m, queries, qmask, 6, 1.0, uniforms=uniforms, group=3) for m in (model, plain)]
+    uniforms = torch.rand(len(queries), 16, generator=torch.Generator().manual_seed(0))
+    draws = [infra.decode.generate(m, queries, qmask, 16, 1.0, uniforms=uniforms, group=3) for m in (model, plain)]
     assert draws[0].tolist() == draws[1].tolist()
 
 

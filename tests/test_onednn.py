@@ -28,7 +28,7 @@ def routed(monkeypatch):
     real = onednn.product
 
     def counted(*args):
-        calls.append(args[0].shape)
+        calls.append(args[1].is_mkldnn)  # (whether the weight is a packed one)
         return real(*args)
 
     monkeypatch.setattr(onednn, "product", counted)
@@ -59,7 +59,11 @@ def test_product_and_its_gradients_are_the_formulas(routed):
     torch.testing.assert_close(layer.bias.grad.double(), flat_g.sum(0), atol=1e-6, rtol=1e-6)
     with torch.no_grad():  # without gradients: one product, no autograd function
         torch.testing.assert_close(layer(x).double(), want, atol=1e-6, rtol=1e-6)
-    assert len(routed) == 4
+    assert len(routed) == 4 and not any(routed)
+    layer.weight.requires_grad_(False)  # a trainable bias alone still gets its gradient
+    layer.bias.grad = None
+    layer(x.detach()).backward(g)
+    torch.testing.assert_close(layer.bias.grad.double(), flat_g.sum(0), atol=1e-6, rtol=1e-6)
 
 
 def test_route_takes_linear_layers_exactly_and_leaves_the_rest(routed, monkeypatch):
@@ -83,7 +87,7 @@ def test_route_takes_linear_layers_exactly_and_leaves_the_rest(routed, monkeypat
 
 def test_generate_packs_the_weights_and_draws_what_the_plain_model_draws(routed, tiny_llama_dir):
     """generate() on a routed model: its products read packed weights (dropped after), and its tokens on fixed
-    uniform numbers are the plain model's"""
+    uniform numbers are the plain model's; a short call (8 tokens) reads the plain weights"""
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
@@ -95,26 +99,30 @@ def test_generate_packs_the_weights_and_draws_what_the_plain_model_draws(routed,
     queries = torch.randint(3, 60, (6, 5))
     mask = torch.ones_like(queries)
     mask[0, :2] = 0
-    uniforms = torch.rand(6, 8)
-    ours = infra.generate(model, queries, mask, 8, 0.9, uniforms=uniforms, group=2)
-    theirs = infra.generate(plain, queries, mask, 8, 0.9, uniforms=uniforms, group=2)
+    uniforms = torch.rand(6, 16)
+    ours = infra.generate(model, queries, mask, 16, 0.9, uniforms=uniforms, group=2)
+    theirs = infra.generate(plain, queries, mask, 16, 0.9, uniforms=uniforms, group=2)
     assert ours.tolist() == theirs.tolist()
     layers = sum(type(m) is onednn.Linear for m in model.modules())
     assert seen and all(n == layers for n in seen) and not onednn.PACKED
-    assert len(routed) >= 8 * layers
+    assert sum(routed) >= 15 * layers  # the decoding steps' products on packed weights
+    routed.clear()  # a call of fewer steps than the copies cost: the plain weights
+    infra.generate(model, queries, mask, 8, 0.9, uniforms=uniforms[:, :8], group=2)
+    assert routed and not any(routed)
 
 
 COUNTING = """
 import json, runpy, sys
 sys.path.insert(0, {repo!r})
 import infra.onednn as onednn
-real, calls = onednn.product, []
+real, calls, apply, updates = onednn.product, [], onednn.Product.apply, []
 onednn.product = lambda *args: calls.append(1) or real(*args)
+onednn.Product.apply = lambda *args: updates.append(1) or apply(*args)
 sys.argv = sys.argv[1:]
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:
-    json.dump({{"products": len(calls), "on": onednn.ON}}, open({out!r}, "w"))
+    json.dump({{"products": len(calls), "with_gradients": len(updates), "on": onednn.ON}}, open({out!r}, "w"))
 """
 
 
@@ -133,4 +141,4 @@ def test_a_script_routes_its_products_unless_told_not_to(flag, on, run, tmp_path
     assert result.returncode == 0, result.stderr[-2000:]
     found = json.loads(counts.read_text())
     assert found["on"] is on
-    assert (found["products"] > 0) is on
+    assert (found["products"] > 0) is on and (found["with_gradients"] > 0) is on
