@@ -4,7 +4,8 @@ runs at less than half of what oneDNN gets from the same cores (1024 x 1024 prod
 this project's AMD EPYC; benchmark/results/profile); bfloat16 products (--bf16) already go through oneDNN. The same
 products summed in another order: float32's last bits differ, as between two batch sizes, not the arithmetic.
 route() gives a model's nn.Linear layers the Linear class below (infra.models.load_pretrained, where start() has
-switched it on); packed() holds their weights in oneDNN's own layout for one generate() call, whose weights are fixed.
+switched it on); packed() holds their weights in oneDNN's own layout for a generate() call of 16 tokens or more
+(its weights fixed).
 """
 
 import contextlib
