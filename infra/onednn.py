@@ -62,15 +62,14 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x):
         w = self.weight
-        if x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or not x.numel():
+        float32 = x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and x.numel()
+        if not float32 or torch.is_autocast_enabled("cpu"):
             return super().forward(x)
-        if torch.is_autocast_enabled("cpu"):
-            return super().forward(x)
-        flat = x.reshape(-1, x.shape[-1])  # (..., in) -> (rows, in)
+        flat, shape = x.reshape(-1, x.shape[-1]), (*x.shape[:-1], w.shape[0])  # (..., in) -> (rows, in)
         bias_grad = self.bias is not None and self.bias.requires_grad
         if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad or bias_grad):
-            return Product.apply(flat, w, self.bias).view(*x.shape[:-1], w.shape[0])
-        return product(flat, PACKED.get(self, w), self.bias).view(*x.shape[:-1], w.shape[0])
+            return Product.apply(flat, w, self.bias).view(shape)
+        return product(flat, PACKED.get(self, w), self.bias).view(shape)
 
 
 def route(model):

@@ -75,14 +75,13 @@ def products(model, rows, dtype, routed=False):
     weights = [m.weight.to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
     if routed:
-        weights = [(w, torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
+        calls = [(onednn.product, torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
+    else:
+        calls = [(torch.nn.functional.linear, w) for w in weights]
 
     def run():
-        for w in weights:
-            if routed:
-                onednn.product(inputs[w[0].shape[1]], w[1])
-            else:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+        for (multiply, weight), w in zip(calls, weights):
+            multiply(inputs[w.shape[1]], weight)
 
     run()
     return best(run)

