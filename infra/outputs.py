@@ -369,8 +369,10 @@ def finish(accelerator, args, writer, tokenizer, ema, card, engine=None):
     """The end of a run, once the script saved its model: the EMA's weights to output_dir/ema, the tokenizer beside
     each, the model card (card: write_model_card's arguments), the hub upload last of all (a failed upload leaves the
     saved model as it is); then every process leaves the process group together, once the main process has written
-    everything (a two-process ZeRO-3 run sometimes aborted in the other process as it exited while the main one was
-    still saving). A vLLM engine is shut down first: it holds a process group of its own."""
+    everything (a vLLM engine is shut down first: it holds a process group of its own). The other processes then exit
+    at once (os._exit), without the interpreter's teardown: they write nothing, and in that teardown the second process
+    of a finished two-process ZeRO-3 run sometimes aborted (SIGABRT, "terminate called without an active exception",
+    twice in CI: a C++ thread of the collectives calling into the finalizing interpreter), failing the run."""
     if args.save_model and ema is not None:  # (no EMA under ZeRO-3 or with LoRA: ema.module is the whole policy)
         ema.module.save_pretrained(os.path.join(args.output_dir, "ema"), is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
@@ -386,6 +388,10 @@ def finish(accelerator, args, writer, tokenizer, ema, card, engine=None):
     if engine is not None:
         engine.llm_engine.engine_core.shutdown()
     accelerator.end_training()
+    if accelerator.num_processes > 1 and not accelerator.is_main_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def reduce_stats(accelerator, stats):

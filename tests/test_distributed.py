@@ -27,7 +27,8 @@ def launch(processes, script, args, cwd, config=None, wait=True):
         cmd += ["--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         cmd += ["--multi_gpu"] if processes > 1 else []
     cmd += [os.path.join(REPO, script), *shlex.split(args)]
-    env = {**os.environ} if config else {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # (a process that aborts prints its threads' Python stacks)
+    env |= {} if config else {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         out = subprocess.DEVNULL
         return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=cwd, env=env, start_new_session=True)
