@@ -5,7 +5,7 @@ this project's AMD EPYC; benchmark/results/profile); bfloat16 products (--bf16) 
 products summed in another order: float32's last bits differ, as between two batch sizes, not the arithmetic.
 route() gives a model's nn.Linear layers the Linear class below (infra.models.load_pretrained, where start() has
 switched it on); packed() holds their weights in oneDNN's own layout for a generate() call of 16 tokens or more
-(its weights fixed).
+(its weights fixed), in bfloat16 under --bf16's autocast (which would otherwise cast every weight at every step).
 """
 
 import contextlib
@@ -58,18 +58,26 @@ class Product(torch.autograd.Function):
 
 
 class Linear(torch.nn.Linear):
-    """nn.Linear whose float32 products on a CPU, outside autocast, run by oneDNN; any other by nn.Linear's own."""
+    """nn.Linear whose float32 products on a CPU, outside autocast, run by oneDNN; under bfloat16 autocast, within
+    packed(), too, on its bfloat16 copies (autocast's own product is the same oneDNN one, on weights it casts at each
+    call); any other by nn.Linear's own."""
 
     def forward(self, x):
-        w = self.weight
-        float32 = x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and x.numel()
-        if not float32 or torch.is_autocast_enabled("cpu"):
+        w, copy = self.weight, PACKED.get(self)
+        autocast = torch.is_autocast_enabled("cpu")
+        dtype = torch.get_autocast_dtype("cpu") if autocast else torch.float32  # the product's
+        cpu = x.device.type == "cpu" and w.dtype == torch.float32 and x.numel()
+        fixed = copy is not None and copy.dtype == dtype and not torch.is_grad_enabled()  # within packed()
+        if cpu and fixed and x.dtype in (torch.float32, dtype):
+            bias = self.bias.to(dtype) if self.bias is not None else None  # (as autocast casts x and the bias)
+            return product(x.reshape(-1, x.shape[-1]).to(dtype), copy, bias).view(*x.shape[:-1], -1)
+        if not cpu or x.dtype != torch.float32 or autocast:
             return super().forward(x)
         flat, shape = x.reshape(-1, x.shape[-1]), (*x.shape[:-1], w.shape[0])  # (..., in) -> (rows, in)
         bias_grad = self.bias is not None and self.bias.requires_grad
         if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad or bias_grad):
             return Product.apply(flat, w, self.bias).view(shape)
-        return product(flat, PACKED.get(self, w), self.bias).view(shape)
+        return product(flat, w, self.bias).view(shape)
 
 
 def route(model):
@@ -86,14 +94,16 @@ def route(model):
 @contextlib.contextmanager
 def packed(model, rows, steps):
     """Within it, model's routed layers read their weights from copies in oneDNN's layout for products of about rows
-    rows (a decoding step's), made on entry: for weights that do not change inside (no gradient is taken through). Only
-    for calls of at least 16 steps: making the copies costs about ten steps' savings (SmolLM2-135M, 16 rows)."""
-    routed = isinstance(model, torch.nn.Module) and steps >= 16 and not torch.is_autocast_enabled("cpu")  # (bf16's)
+    rows (a decoding step's), made on entry: for weights that do not change inside (no gradient is taken through). Under
+    bfloat16 autocast (--bf16) the copies are in bfloat16, cast once instead of at every step. Only for calls of at
+    least 16 steps: making the copies costs about ten steps' savings (SmolLM2-135M, 16 rows)."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
+    routed = isinstance(model, torch.nn.Module) and steps >= 16 and dtype in (torch.float32, torch.bfloat16)
     layers = model.modules() if routed else []  # (not a module: a test's stand-in, a function)
     layers = [m for m in layers if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     try:
         for layer in layers:
-            PACKED[layer] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)
+            PACKED[layer] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().to(dtype), rows)
         yield model
     finally:
         for layer in layers:

@@ -305,8 +305,12 @@ def test_generate_equals_a_greedy_full_forward(name, attn):
 @pytest.mark.parametrize("name, attn", SUPPORTED)
 def test_onednn_layers_give_the_logits_gradients_and_draws_of_the_plain_model(name, attn, monkeypatch):
     """--onednn's layers (infra/onednn.py, every nn.Linear of the family routed): the plain model's logits and
-    gradients, and generate()'s draws (its weights packed), on fixed uniform numbers."""
+    gradients, and generate()'s draws (its weights packed), on fixed uniform numbers, in float32 and under bfloat16
+    autocast (--bf16's sampling, on bfloat16 copies)."""
     plain = build(name, attn)
+    for layer in plain.modules():  # (biases made nonzero: a family's are initialised to zero)
+        if isinstance(layer, torch.nn.Linear) and layer.bias is not None:
+            torch.nn.init.normal_(layer.bias, std=0.5, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(infra.onednn, "ON", False)
     infra.onednn.switch(True)
     model = infra.onednn.route(copy.deepcopy(plain))
@@ -321,8 +325,10 @@ def test_onednn_layers_give_the_logits_gradients_and_draws_of_the_plain_model(na
     for a, b in zip(our_grads, their_grads):
         torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
     uniforms = torch.rand(len(queries), 16, generator=torch.Generator().manual_seed(0))
-    draws = [infra.decode.generate(m, queries, qmask, 16, 1.0, uniforms=uniforms, group=3) for m in (model, plain)]
-    assert draws[0].tolist() == draws[1].tolist()
+    for bf16 in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            draws = [infra.decode.generate(m, queries, qmask, 16, 1.0, uniforms=uniforms, group=3) for m in (model, plain)]
+        assert draws[0].tolist() == draws[1].tolist(), bf16
 
 
 @pytest.mark.parametrize("name, attn", SUPPORTED)

@@ -85,30 +85,36 @@ def test_route_takes_linear_layers_exactly_and_leaves_the_rest(routed, monkeypat
     assert type(onednn.route(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0]) is torch.nn.Linear
 
 
-def test_generate_packs_the_weights_and_draws_what_the_plain_model_draws(routed, tiny_llama_dir):
-    """generate() on a routed model: its products read packed weights (dropped after), and its tokens on fixed
-    uniform numbers are the plain model's; a short call (8 tokens) reads the plain weights"""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_generate_packs_the_weights_and_draws_what_the_plain_model_draws(routed, tiny_llama_dir, bf16):
+    """generate() on a routed model: its products read packed weights (dropped after; under bfloat16 autocast, as
+    --bf16 samples, bfloat16 copies), and its tokens on fixed uniform numbers are the plain model's; a short call (8
+    tokens) reads the plain weights"""
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     model = onednn.route(copy.deepcopy(plain))
     assert sum(type(m) is onednn.Linear for m in model.modules()) > 0
     seen = []
-    model.lm_head.register_forward_hook(lambda *_: seen.append(len(onednn.PACKED)))
+    model.lm_head.register_forward_hook(
+        lambda *_: seen.append((len(onednn.PACKED), *{w.dtype for w in onednn.PACKED.values()}))
+    )
     torch.manual_seed(0)
     queries = torch.randint(3, 60, (6, 5))
     mask = torch.ones_like(queries)
     mask[0, :2] = 0
     uniforms = torch.rand(6, 16)
-    ours = infra.generate(model, queries, mask, 16, 0.9, uniforms=uniforms, group=2)
-    theirs = infra.generate(plain, queries, mask, 16, 0.9, uniforms=uniforms, group=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        ours = infra.generate(model, queries, mask, 16, 0.9, uniforms=uniforms, group=2)
+        theirs = infra.generate(plain, queries, mask, 16, 0.9, uniforms=uniforms, group=2)
     assert ours.tolist() == theirs.tolist()
     layers = sum(type(m) is onednn.Linear for m in model.modules())
-    assert seen and all(n == layers for n in seen) and not onednn.PACKED
+    assert set(seen) == {(layers, torch.bfloat16 if bf16 else torch.float32)} and not onednn.PACKED
     assert sum(routed) >= 15 * layers  # the decoding steps' products on packed weights
     routed.clear()  # a call of fewer steps than the copies cost: the plain weights
-    infra.generate(model, queries, mask, 8, 0.9, uniforms=uniforms[:, :8], group=2)
-    assert routed and not any(routed)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        infra.generate(model, queries, mask, 8, 0.9, uniforms=uniforms[:, :8], group=2)
+    assert not any(routed) and (bf16 or routed)  # (under autocast, autocast's own products)
 
 
 COUNTING = """
