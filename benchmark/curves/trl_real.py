@@ -28,6 +28,7 @@ parser.add_argument("--beta", type=float, default=0.05, help="RLOO's KL coeffici
 parser.add_argument("--learning_rate", type=float, default=5e-5)
 parser.add_argument("--gradient_checkpointing", action="store_true", help="TRL's default; off in our scripts")
 parser.add_argument("--gpu", action="store_true", help="on the GPU in bf16 (curves.py --gpu); default: the CPU, fp32")
+parser.add_argument("--bf16", action="store_true", help="bf16 on the CPU too (accelerate's autocast, as our --bf16)")
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument("--use_vllm", action="store_true", help="TRL's colocate vLLM engine (needs a GPU and vllm)")
 parser.add_argument("--eval_dataset", default=None, help="held-out prompts, evaluated as our scripts evaluate them")
@@ -80,7 +81,7 @@ config = Config(
     save_strategy="no",
     report_to="none",
     use_cpu=not args.gpu,
-    bf16=args.gpu,
+    bf16=args.gpu or args.bf16,
     gradient_checkpointing=args.gradient_checkpointing,
     seed=args.seed,
     disable_tqdm=True,

