@@ -307,7 +307,7 @@ def test_onednn_layers_give_the_logits_gradients_and_draws_of_the_plain_model(na
     """--onednn's layers (infra/onednn.py, every nn.Linear of the family routed): the plain model's logits and
     gradients, and generate()'s draws (its weights packed), on fixed uniform numbers, in float32 and under bfloat16
     autocast (--bf16's sampling, on bfloat16 copies)."""
-    plain = build(name, attn)
+    plain = copy.deepcopy(build(name, attn))  # (build's model is shared with the other tests)
     for layer in plain.modules():  # (biases made nonzero: a family's are initialised to zero)
         if isinstance(layer, torch.nn.Linear) and layer.bias is not None:
             torch.nn.init.normal_(layer.bias, std=0.5, generator=torch.Generator().manual_seed(0))
