@@ -15,6 +15,7 @@ import torch
 from .data import note
 
 ON = False  # switch(): --onednn, on a CPU, not under ZeRO-3
+MIN_STEPS = 16  # packed(): the shortest generate() call that copies the weights
 PACKED = {}  # layer -> its weight in oneDNN's layout, within packed() (not on the layer, where a copy made
 # meanwhile would keep it)
 
@@ -98,7 +99,7 @@ def packed(model, rows, steps):
     bfloat16 autocast (--bf16) the copies are in bfloat16, cast once instead of at every step. Only for calls of at
     least 16 steps: making the copies costs about ten steps' savings (SmolLM2-135M, 16 rows)."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32
-    routed = isinstance(model, torch.nn.Module) and steps >= 16 and dtype in (torch.float32, torch.bfloat16)
+    routed = isinstance(model, torch.nn.Module) and steps >= MIN_STEPS and dtype in (torch.float32, torch.bfloat16)
     layers = model.modules() if routed else []  # (not a module: a test's stand-in, a function)
     layers = [m for m in layers if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     try:

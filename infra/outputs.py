@@ -388,7 +388,7 @@ def finish(accelerator, args, writer, tokenizer, ema, card, engine=None):
     if engine is not None:
         engine.llm_engine.engine_core.shutdown()
     accelerator.end_training()
-    if accelerator.num_processes > 1 and not accelerator.is_main_process:
+    if not accelerator.is_main_process:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args()
-    base = 16  # the shortest call for which generate() copies the weights (--onednn): the steps timed come after it
+    base = onednn.MIN_STEPS  # the shortest call that copies the weights (--onednn): the steps timed come after it
     if args.steps <= base:
         parser.error(f"--steps must be more than {base}")
     torch.manual_seed(0)
