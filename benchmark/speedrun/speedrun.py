@@ -120,15 +120,15 @@ if __name__ == "__main__":
             "seconds_of_training": [run[-1][0] for run in runs.values()],
         }
         curves_of[system] = runs
-    mean = {s: results[s]["seconds_to_target_mean"] for s in results}
-    ratio = mean["trl"] / mean[ours] if mean["trl"] and mean[ours] else None
-    median = {s: results[s]["seconds_to_target_median"] for s in results}
-    ratio_median = median["trl"] / median[ours] if median["trl"] and median[ours] else None
+    ratios = {}  # TRL's time to the target over ours, by each statistic
+    for stat in ("mean", "median"):
+        theirs, mine = (results[s][f"seconds_to_target_{stat}"] for s in ("trl", ours))
+        ratios[stat] = theirs / mine if theirs and mine else None
     setting = {"task": args.task, "algo": algo, "seeds": args.seeds, "updates": args.updates, "target": target,
                "eval_every": args.eval_every, "held_out_prompts": HELD_OUT}  # fmt: skip
     with open(os.path.join(out, "results.json"), "w") as f:
-        ratios = {"ratio_of_means": ratio, "ratio_of_medians": ratio_median}
-        json.dump({"setting": setting, "systems": results, **ratios}, f, indent=1)
+        ratio_of = {f"ratio_of_{stat}s": r for stat, r in ratios.items()}
+        json.dump({"setting": setting, "systems": results, **ratio_of}, f, indent=1)
 
     peer = f"TRL {algo.upper()}Trainer"
 
@@ -141,8 +141,7 @@ if __name__ == "__main__":
         ("seconds of training to the target, per seed", lambda r: per_seed(r["seconds_to_target"])),
         ("mean over the seeds reaching it", lambda r: "never" if r["seconds_to_target_mean"] is None else
             f"{r['seconds_to_target_mean']:.0f} ({sum(t is not None for t in r['seconds_to_target'])}/{len(args.seeds)})"),
-        ("median over every seed (never: slower than any)", lambda r: "never" if r["seconds_to_target_median"] is None
-            else f"{r['seconds_to_target_median']:.0f}"),
+        ("median over every seed (never: slower than any)", lambda r: per_seed([r["seconds_to_target_median"]])),
         ("updates to the target, per seed", lambda r: per_seed(r["updates_to_target"])),
         ("held-out score before training, per seed", lambda r: ", ".join(f"{v:.3f}" for v in r["start_scores"])),
         ("held-out score at the end, per seed", lambda r: ", ".join(f"{v:.3f}" for v in r["final_scores"])),
@@ -150,10 +149,9 @@ if __name__ == "__main__":
     ]  # fmt: skip
     for label, cell in cells:
         table += f"| {label} | {cell(results[ours])} | {cell(results['trl'])} |\n"
-    if ratio is not None:
-        table += f"\n{peer}'s mean time to the target over {ours}'s: **{ratio:.2f}x**\n"
-    if ratio_median is not None:
-        table += f"\n{peer}'s median time to the target over {ours}'s: **{ratio_median:.2f}x**\n"
+    for stat, ratio in ratios.items():
+        if ratio is not None:
+            table += f"\n{peer}'s {stat} time to the target over {ours}'s: **{ratio:.2f}x**\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table)
     print(table)
