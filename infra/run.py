@@ -264,13 +264,15 @@ class Run:
         with the script's state (a dict of numbers and tensors) beside the registered objects."""
         args = self.args
         crossed = args.eval_every and self.episode // args.eval_every > (self.episode - args.batch_size) // args.eval_every
+        ahead = self.sampler.ahead if self.sampler is not None else None  # --max_staleness's batches in flight
         if update == args.num_updates or crossed:
+            if ahead is not None and self.eval_set is not None:  # (evaluate() waits for the batches in flight:
+                ahead.settle()  # sampling them is training, waited for before the clock stops)
             began = time.time()
             self.evaluate()
             self.start_time += time.time() - began  # eps: the rate of training, the evaluations' time aside
         if args.checkpoint_every and update % args.checkpoint_every == 0:
             state = {"update": update, "episode": self.episode, **(state or {})}
-            ahead = self.sampler.ahead if self.sampler is not None else None  # --max_staleness's batches in flight
             if ahead is not None:  # (sampled before the random states are saved: an environment swaps Python's)
                 ahead.settle()
             extra = ahead.save if ahead is not None else None

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -204,6 +205,33 @@ def test_a_slow_judge_scores_while_the_next_batch_samples(run, tmp_path, monkeyp
     assert [(r["batch"], r["thread"]) for r in rows] == [(n, "scorer") for n in range(1, 5)]
     assert [r["next_sampled"] for r in rows] == [True, True, True, False]
     assert [r["objective/scores"] > 0 for r in read_metrics(out)] == [True] * 4
+
+
+def test_eps_counts_the_wait_for_the_batches_in_flight_as_training():
+    """An evaluation first waits for the batches --max_staleness has in flight (they share the reward models): that
+    wait is sampling, training's time, and eps leaves out only the evaluation's own seconds."""
+    from types import SimpleNamespace
+
+    from infra.run import Run
+
+    class Ahead:  # one batch in flight, sampled 0.5 s after the update's end
+        pending = True
+
+        def settle(self):
+            if self.pending:
+                time.sleep(0.5)
+            self.pending = False
+
+    def evaluate():  # as Run.evaluate: the batches in flight first, then the held-out completions (0.1 s)
+        run.sampler.ahead.settle()
+        time.sleep(0.1)
+
+    args = SimpleNamespace(eval_every=16, batch_size=16, num_updates=4, checkpoint_every=0)
+    sampler = SimpleNamespace(ahead=Ahead())
+    run = SimpleNamespace(args=args, episode=32, sampler=sampler, eval_set=[], evaluate=evaluate, start_time=0.0)
+    Run.evaluate_and_checkpoint(run, update=2)
+    assert not sampler.ahead.pending
+    assert 0.08 < run.start_time < 0.4  # the evaluation's 0.1 s left out of eps, not the 0.5 s of sampling
 
 
 @pytest.mark.parametrize(
