@@ -165,17 +165,19 @@ def main(args):
     accelerator = run.accelerator
 
     @torch.no_grad()
-    def evaluate():  # the held-out loss per token and the next-token accuracy over those tokens, on all processes
-        totals = torch.zeros(3, device=run.device)
+    def evaluate():  # the held-out loss per token, the next-token accuracy over those tokens (an MoE's router loss
+        totals = torch.zeros(5, device=run.device)  # per micro-batch, as TRL's eval aux_loss), on all processes
         for batch in data.held_out():
             with accelerator.autocast():
-                losses, mask, right = nll(model, batch, padding_free)
+                losses, mask, right, *aux = nll(model, batch, padding_free, router=router != 0)
             losses = losses * torch.exp(-losses) if args.loss_type == "dft" else losses
-            totals += torch.stack([losses.sum(), right.sum(), mask.sum()]).float()
+            aux = aux[0] if aux else torch.zeros((), device=run.device)
+            totals += torch.stack([losses.sum(), right.sum(), mask.sum(), aux, torch.ones_like(aux)]).float()
         if data.held_out_rows is None:
             return None
-        loss, right, tokens = run.reduce_sum(totals).tolist()
-        return {"eval/loss": loss / tokens, "eval/mean_token_accuracy": right / tokens}
+        loss, right, tokens, aux, batches = run.reduce_sum(totals).tolist()
+        out = {"eval/loss": loss / tokens, "eval/mean_token_accuracy": right / tokens}
+        return out | ({"eval/aux_loss": aux / batches} if router else {})
 
     for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
         # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)

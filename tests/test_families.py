@@ -518,27 +518,37 @@ def test_a_mixture_of_experts_trains_with_its_router_loss(script, run, tmp_path,
 def test_sft_trains_a_mixture_of_experts_with_its_router_loss(run, tmp_path, tiny_tokenizer_dir):
     """sft.py's --router_aux_loss_coef (TRL's SFTConfig): the first update's NLL is the same with 5 and with 0 (its
     two micro-batches read the initial weights), the router loss is logged as aux_loss, and the second update's loss
-    differs (the router loss moved the weights); --padding_free with it refused in one line"""
+    differs (the router loss moved the weights); the held-out router loss is eval/aux_loss, before training the
+    initial model's on the held-out row (transformers' aux_loss); --padding_free with it refused in one line"""
     from test_rloo import check_ok, read_metrics
-    from transformers import AutoTokenizer, MixtralConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
     vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
     moe_dir = save_family(
         MixtralConfig(num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab, **LLAMA_LIKE), tiny_tokenizer_dir,
         tmp_path / "moe",
     )  # fmt: skip
-    data = tmp_path / "sft.jsonl"
+    data, held_out = tmp_path / "sft.jsonl", tmp_path / "held_out.jsonl"
     data.write_text("".join(f'{{"prompt": "Say {i}", "completion": " the number {i} twice"}}\n' for i in range(16)))
+    held_out.write_text('{"prompt": "Say 20", "completion": " the number 20 twice"}\n')
     common = (
         f"sft.py --model_name_or_path {moe_dir} --dataset_name {data} --per_device_train_batch_size 4"
-        " --gradient_accumulation_steps 2 --learning_rate 3e-2 --no_save_model"
+        f" --gradient_accumulation_steps 2 --learning_rate 3e-2 --no_save_model --eval_dataset_name {held_out}"
     )
-    rows = {}
+    rows, evals = {}, {}
     for name, coef in [("off", 0), ("five", 5)]:
         check_ok(run(f"{common} --router_aux_loss_coef {coef} --output_dir {tmp_path / name}", cwd=tmp_path))
-        rows[name] = read_metrics(tmp_path / name)
+        rows[name] = [r for r in read_metrics(tmp_path / name) if "eval/loss" not in r]
+        evals[name] = [r for r in read_metrics(tmp_path / name) if "eval/loss" in r]
     assert "aux_loss" not in rows["off"][0] and rows["five"][0]["aux_loss"] > 0
     assert rows["five"][0]["loss/sft"] == pytest.approx(rows["off"][0]["loss/sft"], rel=1e-6)
     assert rows["five"][1]["loss/sft"] != pytest.approx(rows["off"][1]["loss/sft"], rel=1e-4)
+    assert not any("eval/aux_loss" in r for r in evals["off"]) and evals["five"][0]["episode"] == 0
+    model, tok = AutoModelForCausalLM.from_pretrained(moe_dir), AutoTokenizer.from_pretrained(moe_dir)
+    ids = tok("Say 20 the number 20 twice" + tok.eos_token, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        aux = model(ids, output_router_logits=True).aux_loss.item()
+    assert evals["five"][0]["eval/aux_loss"] == pytest.approx(aux, rel=1e-5)
+    assert evals["five"][-1]["eval/aux_loss"] != pytest.approx(aux, rel=1e-3)  # (the trained model's)
     proc = run(f"{common} --router_aux_loss_coef 1 --padding_free --output_dir {tmp_path / 'refused'}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --padding_free packs rows")
