@@ -121,7 +121,10 @@ def main(args):
     teacher_kwargs = infra.json_object(args, "teacher_model_init_kwargs")
     if args.teacher_model_revision is not None:
         teacher_kwargs["revision"] = args.teacher_model_revision
-    run = infra.start(args, default_reward=None)  # processes, seeding, batch sizes, output_dir; no reward by default
+    # processes, seeding, batch sizes, output_dir; no reward by default; the columns read, checked as the data loads
+    teacher_prompt = {args.teacher_prompt_field: "--teacher_prompt_field"} if args.teacher_prompt_field else {}
+    completion = {args.completion_field: "--completion_field (for --lmbda below 1)"} if args.lmbda < 1.0 else {}
+    run = infra.start(args, default_reward=None, columns=teacher_prompt | completion, held_out_columns=teacher_prompt)
     # the tokenizer, prompts and any reward sources; the student (LoRA, gradient checkpointing) and the frozen teacher
     # in the reference's place (sharded under ZeRO-3), its vocabulary checked against the student's first
     student, teacher = infra.load_policy(run, reference=args.teacher_model_name_or_path, reference_kwargs=teacher_kwargs)
@@ -132,12 +135,6 @@ def main(args):
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon, fused=True)
     # accelerate's (DDP, DeepSpeed); the teacher and any reward models on the device; the EMA of --ema_beta
     student, optimizer, teacher = infra.prepare(run, student, optimizer, teacher)
-    for field, flag, needed in [
-        (args.teacher_prompt_field, "--teacher_prompt_field", args.teacher_prompt_field is not None),
-        (args.completion_field, "--completion_field (for --lmbda below 1)", args.lmbda < 1.0),
-    ]:
-        if needed and field not in run.columns:
-            utils.die(f"the dataset has no column {field!r} for {flag}; its columns: {sorted(run.columns)}")
     # the scripts' own sampler or a vLLM engine, each token drawn by the sampling rule (utils.sampling_logits:
     # --temperature, --top_k, --top_p, --min_p, --repetition_penalty)
     sampler = infra.Sampler(run, student, rule=utils.sampling_logits)

@@ -352,7 +352,8 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 def load_eval(args, tokenizer, columns, env=None):
     """The held-out set as (queries, texts, references or None, columns, the prompts as the dataset holds them), or
     None without one: --eval_dataset_name's --eval_split read as the training prompts are (a set without a column the
-    reward functions read is refused). The TL;DR scripts' is tldr.load_eval's."""
+    reward functions read is refused by rewards.load_reward_fn; with --environment, whose episodes may read any, one
+    without a training column here). The TL;DR scripts' is tldr.load_eval's."""
     if args.eval_dataset_name is None:
         return None
     raw = []  # the prompts as the dataset holds them, for --environment's episodes
@@ -365,7 +366,7 @@ def load_eval(args, tokenizer, columns, env=None):
         raw=raw,
         env=env,
     )
-    missing = sorted(set(columns) - set(eval_columns))
+    missing = sorted(set(columns) - set(eval_columns)) if env is not None else []
     if missing:
         die(f"--eval_dataset_name {args.eval_dataset_name!r} lacks the training set's column(s) {missing}")
     return queries, texts, references, eval_columns, raw

@@ -1,7 +1,6 @@
 """Loading models and tokenizers (hub ids, folders, .gguf files and packages), the checks of a model the scripts cannot
 train, and the policy, reference and critic a script gets: LoRA, gradient checkpointing, a float32 output projection,
-the optimiser, preparation, and saving.
-"""
+the optimiser, preparation, and saving."""
 
 import copy
 import functools
@@ -12,6 +11,7 @@ import os
 import warnings
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from utils import PolicyAndValue, die, init_value_head
@@ -55,7 +55,7 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
         kwargs["gguf_file"] = gguf_file
     try:
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError, TypeError) as e:  # (TypeError: a keyword the model does not take)
+    except (OSError, ValueError, TypeError, SafetensorError) as e:  # (TypeError: a keyword the model does not take)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
     model = onednn.route(obj[0] if isinstance(obj, tuple) else obj)  # (output_loading_info: the model, its report)
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:

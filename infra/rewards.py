@@ -19,10 +19,14 @@ from .environments import awaited
 from .models import load_reward_model, load_tokenizer, same_vocabulary
 from .render import is_chat, render, template_ids, tools_of
 
+INJECTED = ("completion_ids", "messages", "environments")  # what a function may read besides the dataset's columns
 
-def load_reward_fn(spec, columns):
+
+def load_reward_fn(spec, columns, held_out=None):
     """`sentiment`, `accuracy`, `path/to/file.py:function` or `package.module:function` -> the function, after
-    checking that the dataset has every column it names (columns: the dataset's other column names)."""
+    checking that it can be called as call_reward_fn calls it and that the dataset has every column it names (columns:
+    the dataset's other column names, and INJECTED's where a run passes them). held_out: the held-out set's columns,
+    which must hold those the function reads (those it names, or, for one of the user's taking **kwargs, every one)."""
     if spec in BUILTIN_REWARDS:
         fn = BUILTIN_REWARDS[spec]
     elif ":" not in spec:
@@ -30,20 +34,34 @@ def load_reward_fn(spec, columns):
     else:
         fn = load_object(spec, "--reward_fn")
     # the parameters that have no default, besides the prompts and completions, must be columns
-    params = list(inspect.signature(fn).parameters.values())
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
     params = [p for p in params if p.name not in ("prompts", "completions")] if by_keyword(fn) else params[2:]
     missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     missing = [name for name in missing if name not in columns]
     if missing:
-        die(f"reward function {spec!r} needs the dataset column(s) {missing}; the dataset has {sorted(columns)}")
+        has = sorted(c for c in columns if c not in INJECTED)
+        die(f"reward function {spec!r} needs the dataset column(s) {missing}; the dataset has {has}")
+    args, kwargs = reward_arguments(fn, [], [], dict.fromkeys(columns))
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        die(f"reward function {spec!r} cannot be called as f(prompts, completions, **columns) or, as TRL calls it, "
+            f"f(prompts=..., completions=..., **columns): {e}")  # fmt: skip
+    if held_out is not None:
+        any_column = any(p.kind == p.VAR_KEYWORD for p in params) and spec not in BUILTIN_REWARDS
+        reads = set(columns) if any_column else set(signature.parameters) & set(columns)
+        lacking = sorted(reads - set(held_out) - set(INJECTED))
+        if lacking:
+            die(f"--eval_dataset_name lacks the column(s) {lacking}, which reward function {spec!r} reads")
     return fn
 
 
-def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment"):
+def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment", held_out=None):
     """The reward sources in --reward_weights' order: reward models, then --reward_fn functions; none given: `default` (None:
     no source). Each a dict {"name", "weight"} with "model" + "tokenizer" (None: the policy's vocabulary) + "path", or "fn" +
-    "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions loaded, before
-    any reward model loads."""
+    "spec"; names are the function's, or the model's last path part. Every flag is checked, and the functions loaded (and
+    checked against the held-out set's columns, held_out), before any reward model loads."""
     reward_model_paths = args.reward_model_paths
     models = [{"name": os.path.basename(os.path.normpath(p)) or "reward_model", "path": p} for p in reward_model_paths]
     fns = []
@@ -52,7 +70,7 @@ def load_reward_sources(args, tokenizer, columns, env=None, default="sentiment")
     if env is not None:  # in an episode the functions may also read the whole conversation and the live environments
         columns = {**columns, "messages": None, "environments": None}
     for spec in list(args.reward_fn) or ([] if rewarded or default is None else [default]):
-        fn = load_reward_fn(spec, columns)
+        fn = load_reward_fn(spec, columns, held_out=held_out)
         fns.append({"name": spec if spec in BUILTIN_REWARDS else fn.__name__, "fn": fn, "spec": spec})
     sources = models + fns
     if args.reward_weights and len(args.reward_weights) != len(sources):
@@ -110,15 +128,24 @@ def by_keyword(fn):
     return not positional or "completions" in named and ("prompts" in named or positional[0] == "completions")
 
 
+def reward_arguments(fn, prompts, completions, columns):
+    """(args, kwargs) of fn's call: prompts=..., completions=... and the columns by keyword (positionally,
+    (prompts, completions), where it names neither); to a function without **kwargs, only the names it takes."""
+    params = inspect.signature(fn).parameters
+    if by_keyword(fn):
+        args, kwargs = (), {"prompts": list(prompts), "completions": list(completions), **columns}
+    else:
+        args, kwargs = (list(prompts), list(completions)), columns
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return args, kwargs
+
+
 def call_reward_fn(fn, prompts, completions, columns):
     """fn(prompts=..., completions=..., **columns) (positionally, fn(prompts, completions, **columns), where it names
     neither): every column to a function taking **kwargs, else the columns it names. An async function is awaited."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        columns = {k: v for k, v in columns.items() if k in params}
-    if by_keyword(fn):
-        return awaited(fn(prompts=list(prompts), completions=list(completions), **columns))
-    return awaited(fn(list(prompts), list(completions), **columns))
+    args, kwargs = reward_arguments(fn, prompts, completions, columns)
+    return awaited(fn(*args, **kwargs))
 
 
 def check_rewards(values, n, source):

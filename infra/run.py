@@ -44,12 +44,12 @@ class Run:
     sources, the held-out set and the PTX texts; updates() resumes a run and counts the updates; log(),
     evaluate_and_checkpoint() and finish() write everything."""
 
-    def __init__(self, args, accelerator, run_name, k, default_reward="sentiment"):
+    def __init__(self, args, accelerator, run_name, k, default_reward="sentiment", needs=None):
         self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
         self.device = accelerator.device
         self.episode, self.update, self.start_update, self.last_checkpoint, self.printed = 0, 0, 1, None, None
         self.model = self.ema = self.sampler = self.writer = self.measure = None
-        self.ptx_losses, self.default_reward, self.held_out = [], default_reward, None
+        self.ptx_losses, self.default_reward, self.held_out, self.needs = [], default_reward, None, needs or {}
 
     def load_data(self):
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
@@ -83,7 +83,14 @@ class Run:
             self.eval_set = tldr.load_eval(args, self.tokenizer)
         else:
             self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
-        self.sources = load_reward_sources(args, self.tokenizer, self.columns, env=self.env, default=self.default_reward)
+        held_out = self.eval_set[3] if self.eval_set is not None and not isinstance(args, tldr.TldrArgs) else None
+        for (where, needs), has in zip(self.needs.items(), [self.columns, held_out]):  # (the script's: start's)
+            for column, flag in needs.items():
+                if has is not None and column not in has:
+                    die(f"{where} has no column {column!r} for {flag}; its columns: {sorted(has)}")
+        self.sources = load_reward_sources(
+            args, self.tokenizer, self.columns, env=self.env, default=self.default_reward, held_out=held_out
+        )
         self.weights = [source["weight"] for source in self.sources]  # each source's weight in the score (utils.score)
         self.ptx_texts = load_ptx(args, self.tokenizer) if args.ptx_coef > 0 else None
         # the prompts, drawn without replacement from a reshuffle per pass, the same on every process (each takes its
@@ -321,10 +328,11 @@ def process_group_kwargs():
     return []
 
 
-def start(args, k=1, default_reward="sentiment", examples=None):
+def start(args, k=1, default_reward="sentiment", examples=None, columns=None, held_out_columns=None):
     """The run: the processes (accelerate), the batch sizes (into args; k completions per prompt; examples: the rows
     sft.py, reward.py or dpo.py keep, which --num_train_epochs counts; default_reward: the reward source without
-    --reward_fn or --reward_model_path, None: none), the checks that need them, a random stream
+    --reward_fn or --reward_model_path, None: none; columns, held_out_columns: {column: the flag naming it} the script
+    reads from the prompts' rows and from the held-out set's, checked as they load), the checks that need them, a random stream
     of its own on each process (its mini-batch shuffles; the prompts and the sampling noise come from a generator every
     process shares, Shuffled), output_dir (a --resume that would change the run is refused), then the tokenizer, the
     prompts, the reward sources, the held-out set and the PTX texts."""
@@ -394,7 +402,8 @@ def start(args, k=1, default_reward="sentiment", examples=None):
     np.random.seed(seed)
     torch.manual_seed(seed)
     # (nothing loaded yet: the script checks its flags first)
-    return Run(args, accelerator, open_output_dir(args), k, default_reward)
+    needs = {"the dataset": columns or {}, "--eval_dataset_name": held_out_columns or {}}
+    return Run(args, accelerator, open_output_dir(args), k, default_reward, needs=needs)
 
 
 class CheckpointedNumber:

@@ -225,8 +225,11 @@ def test_dataset_completions_at_lmbda_below_one(run, tmp_path, tiny_model_dir, t
         assert r["val/num_eos_tokens"] == 16 or r["distill/on_policy"] == 1.0
 
 
-def test_bad_flags_and_a_teacher_of_another_vocabulary_are_refused(tmp_path, tiny_model_dir, teacher_dir, distill_data):
-    """Each in one line, before any update (the runs share one interpreter, as test_knobs_card's hub flags do)."""
+def test_bad_flags_and_a_teacher_of_another_vocabulary_are_refused(
+    tmp_path, tiny_model_dir, teacher_dir, distill_data, tiny_prompts_file
+):
+    """Each in one line, before any update (the runs share one interpreter, as test_knobs_card's hub flags do); a
+    column the dataset or the held-out set lacks, before any model loads (a student whose weights cannot load)."""
     from test_knobs_card import RUN_ALL
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -235,6 +238,11 @@ def test_bad_flags_and_a_teacher_of_another_vocabulary_are_refused(tmp_path, tin
     model.resize_token_embeddings(model.config.vocab_size + 8)
     model.save_pretrained(wide)
     AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(wide)
+    broken = tmp_path / "broken"  # the teacher's tokenizer and config, weights that cannot load
+    AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(broken)
+    AutoModelForCausalLM.from_pretrained(teacher_dir).config.save_pretrained(broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    hint = f"--teacher_model_name_or_path {teacher_dir} --model_name_or_path {broken} --teacher_prompt_field"
     cases = [
         ("", "error: distillation needs a teacher: set --teacher_model_name_or_path"),
         (
@@ -242,11 +250,16 @@ def test_bad_flags_and_a_teacher_of_another_vocabulary_are_refused(tmp_path, tin
             "error: --loss sampled is a policy gradient",
         ),
         (f"--teacher_model_name_or_path {teacher_dir} --beta 1.5", "error: --beta and --lmbda must lie in [0, 1]"),
-        (f"--teacher_model_name_or_path {teacher_dir} --teacher_prompt_field hint", "error: the dataset has no column 'hint'"),
+        (f"{hint} hint", "error: the dataset has no column 'hint' for --teacher_prompt_field"),
         (
-            f"--teacher_model_name_or_path {teacher_dir} --lmbda 0.5 --completion_field answer",
-            "error: the dataset has no column 'answer'",
+            f"{hint} teacher_prompt --lmbda 0.5 --completion_field answer",
+            "error: the dataset has no column 'answer' for --completion_field",
         ),
+        (
+            f"{hint} teacher_prompt --eval_dataset_name {tiny_prompts_file}",
+            "error: --eval_dataset_name has no column 'teacher_prompt' for --teacher_prompt_field",
+        ),
+        (f"--teacher_model_name_or_path {teacher_dir} --model_name_or_path {broken}", f"error: cannot load '{broken}'"),
         (
             f"--teacher_model_name_or_path {wide}",
             f"error: the teacher '{wide}' and the student '{tiny_model_dir}' have different",

@@ -12,6 +12,9 @@ from test_rloo import check_ok, read_metrics
 
 # neither source judges the completions of prompts about a storm or a bridge (None): they are unscored
 REWARDS = """
+def anything(completions, **kwargs):  # (TRL's form: it may read any column)
+    return [0.0 for c in completions]
+
 def vowels(prompts, completions):
     return [None if "storm" in p or "bridge" in p else sum(ch in "aeiou" for ch in c) / max(1, len(c))
             for p, c in zip(prompts, completions)]
@@ -40,8 +43,8 @@ def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny
             "def near(prompts, completions, target):\n", "def near(prompts, completions, target):\n" + slow
         )
     (tmp_path / "rewards.py").write_text(rewards)
-    with open(tiny_prompts_file) as f:  # the training prompts, with the column the second reward reads
-        train = [{**json.loads(line), "target": 20} for line in f]
+    with open(tiny_prompts_file) as f:  # the training prompts, with the column the second reward reads (and one that
+        train = [{**json.loads(line), "target": 20, "id": i} for i, line in enumerate(f)]  # none reads, not held out)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (tmp_path / "held_out.jsonl").write_text("".join(json.dumps({"prompt": p, "target": 30}) + "\n" for p in HELD_OUT))
     k = {"rloo.py": "--rloo_k 2", "grpo.py": "--num_generations 2", "ppo.py": ""}[script]
@@ -99,15 +102,19 @@ def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny
 
 
 def test_evaluation_refusals_are_one_line(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """Before any work: a held-out set without a column a reward function reads (one it names; any, for one taking
+    **kwargs), a bad --eval_every, a missing file."""
     (tmp_path / "rewards.py").write_text(REWARDS)
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "Describe the sea", "target": 3}) + "\n")
-    for extra, expected in [
-        (f"--eval_dataset_name {tiny_prompts_file} --eval_every -1", "error: --eval_every must be at least 0, got -1"),
-        (f"--eval_dataset_name {tiny_prompts_file}", "error: --eval_dataset_name"),  # no `target` column
-        ("--eval_dataset_name missing.jsonl", "error: --eval_dataset_name 'missing.jsonl' does not exist"),
+    lacks = "error: --eval_dataset_name lacks the column(s) ['target'], which reward function"
+    for reward, extra, expected in [
+        ("near", f"--eval_dataset_name {tiny_prompts_file} --eval_every -1", "error: --eval_every must be at least 0, got -1"),
+        ("near", f"--eval_dataset_name {tiny_prompts_file}", f"{lacks} '{tmp_path}/rewards.py:near'"),
+        ("anything", f"--eval_dataset_name {tiny_prompts_file}", f"{lacks} '{tmp_path}/rewards.py:anything'"),
+        ("near", "--eval_dataset_name missing.jsonl", "error: --eval_dataset_name 'missing.jsonl' does not exist"),
     ]:
-        proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} --dataset_name {tmp_path}/train.jsonl"
-                   f" --reward_fn {tmp_path}/rewards.py:near {extra} --output_dir {tmp_path}/out", cwd=tmp_path)  # fmt: skip
+        data = f"--dataset_name {tmp_path}/train.jsonl --reward_fn {tmp_path}/rewards.py:{reward}"
+        proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} {data} {extra} --output_dir {tmp_path}/out", cwd=tmp_path)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode != 0 and last.startswith(expected), last
         assert not os.path.exists(tmp_path / "out")  # refused before any work

@@ -578,6 +578,21 @@ def test_reward_fn_loading_and_checks(tmp_path):
     assert infra.rewards.call_reward_fn(fn, ["p", "q"], ["x", "y"], columns) == [3.0, 4.0]  # question not passed: not named
     accuracy = infra.rewards.load_reward_fn("accuracy", ["answer"])
     assert infra.rewards.call_reward_fn(accuracy, ["", ""], ["7", "8"], columns) == [0, 0]
+    with pytest.raises(SystemExit, match=r"needs the dataset column\(s\) \['answer'\]; the dataset has \['question'\]$"):
+        infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:needs_answer", columns=["question", "completion_ids"])
+
+
+def test_a_reward_function_is_called_as_it_can_be_or_refused_at_load(tmp_path):
+    """One that takes the completions alone, by name, gets them alone; one that cannot take the call (one positional
+    parameter under another name) is refused as it loads, in one line, not at the first batch"""
+    (tmp_path / "rew.py").write_text(
+        "def alone(completions):\n    return [len(c) for c in completions]\n"
+        "def texts(samples):\n    return [0.0 for s in samples]\n"
+    )
+    fn = infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:alone", columns=["answer", "completion_ids"])
+    assert infra.rewards.call_reward_fn(fn, ["p", "q"], ["ab", "c"], {"answer": [1, 2]}) == [2, 1]
+    with pytest.raises(SystemExit, match=r"rew.py:texts' cannot be called as f\(prompts, completions, \*\*columns\)"):
+        infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:texts", columns=[])
 
 
 REWARD_FORMS = """
