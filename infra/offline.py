@@ -109,7 +109,7 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
             mask = assistant_mask(tokenizer, row["messages"], tools, ids) if assistant_only_loss else [True] * len(ids)
         elif kind == "prompt-completion":
             if empty(row["completion"]):
-                die(f"{where}, row {i}: empty completion")
+                die(f"{where}, row {i}: {blank(row['completion'], 'completion')}")
             head, tail = render(tokenizer, row["prompt"], row["completion"], tools)
             ids = head + tail
             mask = [completion_only_loss is False] * len(head) + [True] * len(tail)  # (None: the completion's)
@@ -139,7 +139,8 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
         else:
             prompt, chosen, rejected = implicit_prompt(chosen, rejected)
         if empty(chosen) or empty(rejected):
-            die(f"{where}, row {i}: empty {'chosen' if empty(chosen) else 'rejected'} completion")
+            which = blank(chosen, "chosen completion") if empty(chosen) else blank(rejected, "rejected completion")
+            die(f"{where}, row {i}: {which}")
         if chosen == rejected:
             die(f"{where}, row {i}: chosen is identical to rejected")
         tools = tools_of(row)
@@ -176,7 +177,7 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
     if scored:
         if not {"prompt", "completion", "reward"} <= set(columns):
             die(f"{where} needs `prompt`, `completion` and `reward` columns; it has {columns}")
-        texts = [(r["prompt"], r["completion"], r["reward"], tools_of(r)) for r in ds]
+        texts = [(r["prompt"], r["completion"], r["reward"], tools_of(r), j, "completion") for j, r in enumerate(ds)]
     elif "chosen" in columns and "rejected" in columns:
         texts = []  # (prompt, completion, label, tools) as TRL's unpair_preference_dataset orders them
         for start in range(0, len(ds), 1000):
@@ -185,19 +186,30 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
                 (r["prompt"], r["chosen"], r["rejected"]) if "prompt" in r else implicit_prompt(r["chosen"], r["rejected"])
                 for r in chunk
             ]
-            texts += [(p[0], p[1 + (not label)], label, tools_of(r)) for label in (True, False) for p, r in zip(pairs, chunk)]
+            texts += [
+                (
+                    p[0],
+                    p[1 + (not label)],
+                    label,
+                    tools_of(r),
+                    start + j,
+                    "chosen completion" if label else "rejected completion",
+                )
+                for label in (True, False)
+                for j, (p, r) in enumerate(zip(pairs, chunk))
+            ]  # (each with the dataset's row and what it is there, for an error's line)
     elif {"prompt", "completion", "label"} <= set(columns):
-        texts = [(r["prompt"], r["completion"], r["label"], tools_of(r)) for r in ds]
+        texts = [(r["prompt"], r["completion"], r["label"], tools_of(r), j, "completion") for j, r in enumerate(ds)]
     else:
         die(f"{where} needs `prompt`, `completion` and `label` columns, or `chosen` and `rejected`; it has {columns}")
     rows = []
-    for i, (prompt, completion, label, tools) in enumerate(texts):
+    for i, (prompt, completion, label, tools, row, what) in enumerate(texts):
         if empty(completion):
-            die(f"{where}, row {i}: empty completion")
+            die(f"{where}, row {row}: {blank(completion, what)}")
         if scored and not finite_number(label):
-            die(f"{where}, row {i}: `reward` must be a finite number, got {label!r}")
+            die(f"{where}, row {row}: `reward` must be a finite number, got {label!r}")
         if not scored and (isinstance(label, str) or label not in (True, False)):
-            die(f"{where}, row {i}: `label` must be true or false, got {label!r}")
+            die(f"{where}, row {row}: `label` must be true or false, got {label!r}")
         head, tail = render(tokenizer, prompt, completion, tools)
         if max_length is None or len(head) < max_length:
             kind = {"reward": float(label), "label": True} if scored else {"label": bool(label)}
@@ -215,6 +227,11 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
             partner = completions[i - 1 if i > start else min(start + block, len(rows)) - 1][:cut]
         r["completion"], r["partner"] = r["completion"][:cut], partner
     return rows
+
+
+def blank(value, what):
+    """an empty value's words in an error: 'no chosen completion' (the row lacks it) or 'empty chosen completion'"""
+    return f"{'no' if value is None else 'empty'} {what}"
 
 
 # read_examples' answer: the tokenizer, the training rows kept, the held-out ones (None without), whether they are

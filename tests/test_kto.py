@@ -149,6 +149,8 @@ def test_precomputed_reference_logprobs_give_the_live_runs_numbers(run, tmp_path
         ([{"prompt": "a", "completion": " b"}], "", "needs `prompt`, `completion` and `label` columns"),
         ([{"prompt": "a", "completion": " b", "label": "yes"}], "", "row 0: `label` must be true or false"),
         ([{"prompt": "a", "completion": " ", "label": True}], "", "row 0: empty completion"),
+        # pairs, unpaired: the file's row and which completion it lacks (TRL's order puts the rejected ones last)
+        ([*pairs(2), {"prompt": "c", "chosen": " d"}], "", "row 2: no rejected completion"),
         ([{"prompt": "a", "completion": " b", "label": True}], "--per_device_train_batch_size 1", "at least 2"),
         ([{"prompt": "a", "completion": " b", "label": True}], "--desirable_weight -1", "--desirable_weight"),
     ],

@@ -718,6 +718,7 @@ def test_kill_then_resume_continues_exactly(script, run, tmp_path, tiny_model_di
         ("dpo.py", [{"prompt": "a", "chosen": " b", "rejected": "  "}], "row 0: empty rejected completion"),
         ("reward.py", [{"prompt": "a", "chosen": " b", "rejected": " b"}], "row 0: chosen is identical to rejected"),
         ("sft.py", [{"prompt": "a", "completion": ""}], "row 0: empty completion"),
+        ("sft.py", [{"prompt": "a", "completion": " b"}, {"prompt": "c"}], "row 1: no completion"),
         ("sft.py", [{"question": "a"}], "needs a `messages`, `prompt` and `completion`, or `text` column"),
         ("dpo.py", [{"prompt": "a", "chosen": " b", "rejected": " c", "tools": '[{"name": '}], "a `tools` value is not JSON"),
         ("reward.py", [{"prompt": "a", "chosen": " b", "rejected": " c", "margin": "big"}], "`margin` must be a number"),
