@@ -74,8 +74,9 @@ class Args(infra.ExampleArgs, ILQLArgs):
 
     dataset_name: str = "data/scored.jsonl"
     """reward-labelled completions: `prompt`, `completion` (strings or chat messages) and a number `reward`"""
-    eval_dataset_name: Optional[str] = "data/scored_test.jsonl"
-    """held-out rows (the same format): the loss on them, and samples of their prompts scored (--eval_reward_fn)"""
+    eval_dataset_name: Optional[str] = "auto"
+    """held-out rows (the same format): the loss on them, and samples of their prompts scored (--eval_reward_fn); auto:
+    data/scored_test.jsonl with the shipped --dataset_name, else none"""
     learning_rate: float = 5e-5
     """the AdamW learning rate at its peak (trlX's ILQL default; --lr_scheduler_type)"""
     adam_beta2: float = 0.95
@@ -86,6 +87,11 @@ class Args(infra.ExampleArgs, ILQLArgs):
     """AdamW's weight decay (trlX's)"""
     max_grad_norm: float = 0.0
     """clip the gradients' norm to this (0: never, as trlX)"""
+
+    def __post_init__(self):
+        if self.eval_dataset_name == "auto":  # (another set's rows are not held out from the shipped one)
+            self.eval_dataset_name = "data/scored_test.jsonl" if self.dataset_name == "data/scored.jsonl" else None
+        super().__post_init__()
 
 
 def head(hidden, out):
@@ -243,7 +249,8 @@ def main(args):
         *sums, actions, rewards, sampled, rows = run.reduce_sum(totals).tolist()
         out = {f"eval/{name}": total / actions for name, total in zip(["loss/ilql", *terms], sums)}
         out["eval/rewards/data"] = rewards / rows  # (the held-out completions' own mean score)
-        return out | ({f"eval/rewards/{args.eval_reward_fn}": sampled / rows} if true_score is not None else {})
+        name = (args.eval_reward_fn or "").rsplit(":", 1)[-1]  # (a function's name, as the other scripts name it)
+        return out | ({f"eval/rewards/{name}": sampled / rows} if true_score is not None else {})
 
     for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume
         # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)

@@ -47,8 +47,8 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
 # the update's line on the console: (label, metric), those the row has, in this order
 CONSOLE = [
     ("score", "objective/scores"), ("loss", "loss/sft"), ("loss", "loss/reward"), ("loss", "loss/dpo"),
-    ("loss", "distill/loss"), ("accuracy", "train/mean_token_accuracy"), ("accuracy", "train/accuracy"),
-    ("accuracy", "rewards/accuracies"), ("margin", "rewards/margins"), ("kl", "objective/kl"),
+    ("loss", "loss/kto"), ("loss", "loss/ilql"), ("loss", "distill/loss"), ("accuracy", "train/mean_token_accuracy"),
+    ("accuracy", "train/accuracy"), ("accuracy", "rewards/accuracies"), ("margin", "rewards/margins"), ("kl", "objective/kl"),
     ("length", "val/response_length"), ("length", "completions/mean_length"), ("lr", "lr"),
 ]  # fmt: skip
 

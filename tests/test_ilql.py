@@ -2,6 +2,7 @@
 the value-shaped sampler against a greedy loop over full forward passes, the target heads' Polyak sync, bad data
 refused in one line, and a run whose saved model and heads load."""
 
+import json
 import math
 import types
 
@@ -143,11 +144,15 @@ def test_a_run_saves_a_model_plain_transformers_loads_and_heads_whose_targets_fo
     for every in (2, 3):
         out = tmp_path / f"every{every}"
         flags = "--total_episodes 32 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --alpha 1"
-        command = f"ilql.py --model_name_or_path {tiny_model_dir} --dataset_name {path} --eval_dataset_name None {flags}"
-        check_ok(run(f"{command} --steps_for_target_q_sync {every} --learning_rate 1e-3 --output_dir {out}", tmp_path))
+        command = f"ilql.py --model_name_or_path {tiny_model_dir} --dataset_name {path} {flags}"  # (no held-out set: the
+        proc = run(f"{command} --steps_for_target_q_sync {every} --learning_rate 1e-3 --output_dir {out}", tmp_path)
+        check_ok(proc)
+        assert not (out / "eval.json").exists()  # shipped one is the shipped set's)
         heads[every] = load_file(out / "ilql_heads.safetensors")
         rows = read_metrics(out)
         assert len(rows) == 4 and all(math.isfinite(v) for r in rows for v in r.values())
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("update ")]  # (the console's, with the loss)
+        assert [f"  loss {r['loss/ilql']:.4g}  " in line for r, line in zip(rows, lines)] == [True] * 4
     AutoModelForCausalLM.from_pretrained(out)  # the plain LM
     model = ilql.load(out)
     tok = AutoTokenizer.from_pretrained(out, padding_side="left")
@@ -161,15 +166,22 @@ def test_a_run_saves_a_model_plain_transformers_loads_and_heads_whose_targets_fo
 
 def test_lora_in_bf16_trains_the_adapters_and_heads_and_its_folder_loads(run, tmp_path, tiny_model_dir):
     """--use_peft --bf16: finite metrics; the folder (adapters, heads) loads with ilql.load, whose LM is the adapted one
-    (its logits not the base model's) and whose heads are the saved ones"""
+    (its logits not the base model's) and whose heads are the saved ones; a held-out set scored by a reward function
+    of a file, logged under the function's name"""
     from transformers import AutoModelForCausalLM
 
     path, out = write(tmp_path / "scored.jsonl", scored_rows()), tmp_path / "out"
+    (tmp_path / "score.py").write_text("def brevity(prompts, completions):\n    return [-len(c) for c in completions]\n")
     flags = "--total_episodes 16 --per_device_train_batch_size 4 --learning_rate 1e-3 --use_peft --bf16"
-    command = f"ilql.py --model_name_or_path {tiny_model_dir} --dataset_name {path} --eval_dataset_name None {flags}"
+    held_out = f"--eval_dataset_name {path} --eval_reward_fn {tmp_path}/score.py:brevity --response_length 4"
+    command = f"ilql.py --model_name_or_path {tiny_model_dir} --dataset_name {path} {held_out} {flags}"
     check_ok(run(f"{command} --output_dir {out}", tmp_path))
-    rows = read_metrics(out)
+    rows, evals = [r for r in read_metrics(out) if "eval/loss/ilql" not in r], json.load(open(out / "eval.json"))
     assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values())
+    assert [sorted(k for k in r if k.startswith("eval/rewards/")) for r in evals] == [
+        ["eval/rewards/brevity", "eval/rewards/data"]
+    ] * 2
+    assert all(r["eval/rewards/brevity"] <= 0 for r in evals)
     assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
     model, heads = ilql.load(out), load_file(out / "ilql_heads.safetensors")
     assert torch.equal(model.q_heads[0][2].weight, heads["q_heads.0.2.weight"])
