@@ -27,7 +27,7 @@ With a reward model and a hub dataset, on GPUs:
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 import tyro
@@ -42,9 +42,9 @@ class GRPOArgs:
 
     num_generations: int = 4
     """the number of completions sampled per prompt (k; TRL's default is 8)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: Union[Literal["group", "batch", "none"], bool] = "group"
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
-    Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4"""
+    Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4. TRL's True and False: group and none"""
     loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]] = None
     """the per-token loss and its aggregation (TRL 1.16's; docs/algorithms.md). None: dapo, or grpo under GSPO"""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
@@ -252,6 +252,7 @@ def off_policy_keep(advantages, logprobs, behaviour_logprobs, mask, threshold):
 
 def main(args):
     infra.at_least(args, 2, "num_generations")  # (a group's std needs two samples)
+    args.scale_rewards = {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards)  # (TRL's booleans)
     infra.at_least(args, 1, "num_iterations")
     infra.at_least(args, 0, "epsilon", "epsilon_high", "beta", "off_policy_mask_threshold", "entropy_target")
     infra.at_least(args, 0, "vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg")

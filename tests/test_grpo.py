@@ -272,10 +272,10 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, eos_model
 CONSTANT = "def vowels(prompts, completions):\n    return [0.5] * len(completions)\n"
 
 
-@pytest.mark.parametrize("scale_rewards", ["group", "none"])
+@pytest.mark.parametrize("scale_rewards", ["group", "False"])
 def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """Every group's rewards equal: every advantage is 0, frac_reward_zero_std is 1, and with --beta 0 the policy gets
-    no gradient at all: it is saved as it started."""
+    no gradient at all: it is saved as it started. (TRL's False is none, the run's arguments say.)"""
     out = tmp_path / "out"
     proc = run(
         f"{common(tiny_model_dir, tiny_prompts_file, tmp_path, CONSTANT)} --total_episodes 16 --response_length 6"
@@ -285,6 +285,7 @@ def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, run, tmp_pat
     check_ok(proc)
     (row,) = read_metrics(out)
     assert row["frac_reward_zero_std"] == 1.0 and row["reward_std"] == 0.0 and row["loss/policy_avg"] == 0.0
+    assert json.load(open(out / "args.json"))["scale_rewards"] == {"False": "none"}.get(scale_rewards, scale_rewards)
     from safetensors.torch import load_file
 
     a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
