@@ -39,6 +39,8 @@ class RAFTArgs:
     which each micro-batch of the step holds the kept: one in num_generations)"""
     mask_truncated_completions: bool = False
     """a best completion cut off before its stop token is not learnt (TRL's name, rloo.py's flag)"""
+    router_aux_loss_coef: Optional[float] = None
+    """an MoE policy's router load-balancing loss times this joins the loss (sft.py's; None: the model config's own)"""
 
 
 @dataclass
@@ -63,6 +65,7 @@ def best_of_group(scores, scored, k, min_score=None):
 def main(args):
     k = args.num_generations
     infra.at_least(args, 1, "num_generations", "num_epochs")
+    infra.at_least(args, 0, "router_aux_loss_coef")
     if args.min_score is not None and not math.isfinite(args.min_score):
         utils.die(f"--min_score must be a finite number, got {args.min_score}")
     if args.use_score_scaling or args.use_score_norm or args.score_clip is not None:
@@ -73,6 +76,7 @@ def main(args):
     run = infra.start(args, k=k)  # processes, seeding, batch sizes, output_dir
     # the tokenizer, prompts and reward sources; the policy (LoRA, gradient checkpointing), no reference
     policy, _ = infra.load_policy(run, reference=False)
+    router = infra.router_coef(policy, args.router_aux_loss_coef)  # 0 but for a mixture of experts
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as
     # transformers'); fused: about 4x the default's speed on a CPU
     params = utils.decay_groups(policy, args.weight_decay)
@@ -121,16 +125,19 @@ def main(args):
                 for micro in mini_batch:
                     rows = best[micro]
                     with accelerator.accumulate(policy):
-                        logits = utils.forward(
+                        out = utils.forward(
                             policy,
                             batch.query_responses[rows],
                             batch.attention_mask[rows],
                             logits_to_keep=sampled.shape[1] + 1,
-                        ).logits[:, :-1]
+                            **({"output_router_logits": True} if router else {}),  # (an MoE's router loss)
+                        )
+                        logits = out.logits[:, :-1]
                         losses = -utils.logprobs_from_logits(logits, batch.responses[rows]).masked_fill(~mask[micro], 0.0)
                         # the sum over that count, times what accelerate divides by (the micro-batches, the processes)
                         loss = losses.sum() / tokens * args.gradient_accumulation_steps * args.world_size
-                        loss = loss + run.ptx_loss(policy)  # LightRFT's PTX loss, 0 without --ptx_coef
+                        # an MoE router's load-balancing loss (sft.py's); LightRFT's PTX loss, 0 without --ptx_coef
+                        loss = loss + (router * out.aux_loss if router else 0.0) + run.ptx_loss(policy)
                         run.check_finite(loss)
                         accelerator.backward(loss)
                         run.clip_gradients(policy)  # --max_grad_norm; stops on a non-finite gradient
@@ -139,6 +146,7 @@ def main(args):
                         run.update_ema(policy)  # --ema_beta
 
                         stats.add_tokens(mask[micro], **{"loss/sft": losses})
+                        stats.add(**({"aux_loss": out.aux_loss} if router else {}))
         policy.eval()
 
         # the update's statistics, averaged over the processes as they are written

@@ -481,7 +481,7 @@ def test_grpo_trains_gpt_neo_and_rloo_refuses_mamba(run, tmp_path, tiny_tokenize
     assert not os.path.exists(tmp_path / "rloo" / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "raft.py"])
 def test_a_mixture_of_experts_trains_with_its_router_loss(script, run, tmp_path, tiny_tokenizer_dir, tiny_prompts_file):
     """TRL's router_aux_loss_coef: a mixture of experts adds its router's load-balancing loss (logged as aux_loss)
     times the coefficient, by default its config's (Mixtral's 0.001), to the loss: with 5 the first update's metrics
@@ -494,7 +494,7 @@ def test_a_mixture_of_experts_trains_with_its_router_loss(script, run, tmp_path,
     moe = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab, **LLAMA_LIKE)
     moe_dir = save_family(moe, tiny_tokenizer_dir, tmp_path / "moe")
     (tmp_path / "reward.py").write_text(VOWELS)
-    k = "--num_generations 4" if script == "grpo.py" else "--rloo_k 4"
+    k = "--rloo_k 4" if script == "rloo.py" else "--num_generations 4"
     common = (
         f"{script} {k} --dataset_name {tiny_prompts_file} --total_episodes 32 --per_device_train_batch_size 8"
         f" --gradient_accumulation_steps 2 --response_length 8 --num_sample_generations 0 --no_save_model"
