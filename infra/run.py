@@ -303,6 +303,9 @@ class Run:
 
 def check_accelerate_config(accelerator, per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm):
     """Make an accelerate/DeepSpeed config agree with the script's flags, or stop with one line."""
+    if accelerator.num_processes > 1 and accelerator.distributed_type.value == "NO":  # (each would train alone)
+        die(f"accelerate started {accelerator.num_processes} processes that would not share their gradients (a GPU "
+            "config, no GPU?); on a CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N")  # fmt: skip
     if accelerator.gradient_accumulation_steps != gradient_accumulation_steps:
         # accelerate lets a config's gradient_accumulation_steps silently override the one passed to Accelerator
         die(

@@ -337,3 +337,22 @@ def test_statistics_are_averaged_over_processes_and_maxima_maxed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     reduced = eval(proc.stdout.split("REDUCED", 1)[1].strip().splitlines()[0])
     assert reduced == {"loss/policy_avg": 1.5, "vllm/logprob_diff_max": 0.5}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shipped GPU config runs as meant on a GPU")
+def test_the_gpu_config_without_a_gpu_is_refused_in_one_line(tmp_path, tiny_model_dir, tiny_prompts_file):
+    """configs/multi_gpu.yaml (num_processes set to 2) on a machine without a GPU: accelerate starts processes that
+    would each train alone (no process group); the script stops in one line naming the CPU launch, nothing written."""
+    from conftest import REPO
+
+    text = open(os.path.join(REPO, "configs", "multi_gpu.yaml")).read()
+    config = tmp_path / "multi_gpu.yaml"
+    config.write_text(text.replace("num_processes: 8", "num_processes: 2"))
+    out = tmp_path / "out"
+    args = f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --output_dir {out}"
+    proc = launch(2, "rloo.py", args, cwd=tmp_path, config=config)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and lines, proc.stderr[-2000:]
+    assert lines[0].startswith("error: accelerate started 2 processes that would not share their gradients")
+    assert lines[0].endswith("on a CPU: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N")
+    assert not out.exists()
