@@ -28,8 +28,18 @@ checkpoint, a resume that would change the run is refused. Below: the surface th
 
 from .data import teacher_view
 from .decode import generate
-from .flags import DataArgs, DynamicSamplingArgs, EnvArgs, EvalArgs, RefSyncArgs, RolloutArgs, at_least, json_object
-from .models import load_policy, load_policy_and_critic, prepare, router_coef
+from .flags import (
+    DataArgs,
+    DynamicSamplingArgs,
+    EnvArgs,
+    EvalArgs,
+    RefSyncArgs,
+    RolloutArgs,
+    at_least,
+    json_object,
+    router_coef,
+)
+from .models import load_policy, load_policy_and_critic, prepare
 from .offline import (
     ExampleArgs,
     finite_number,

@@ -19,6 +19,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
 
 
+def is_adapters(path):
+    """whether path is a folder of LoRA adapters alone (a script's --use_peft output without --merge_lora)"""
+    return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json"))
+
+
 def looks_local(name):
     """Whether a model or dataset argument can only mean a local path, so that one that does not exist is refused at
     once rather than looked up on the hub (a minute of retries without a network): it starts with '.', '/' or '~',

@@ -43,6 +43,15 @@ def json_object(args, name):
     return value
 
 
+def router_coef(model, coef):
+    """TRL's router_aux_loss_coef: the weight of an MoE policy's router loss (None: its config's; refused if dense)"""
+    config = model.config.get_text_config()
+    if coef and not hasattr(config, "output_router_logits"):
+        die(f"--router_aux_loss_coef: {type(model).__name__} is not a mixture of experts with a router loss")
+    own = (getattr(config, "router_aux_loss_coef", None) or 0.0) if hasattr(config, "output_router_logits") else 0.0
+    return own if coef is None else coef
+
+
 class Checked:
     """A flag group's checks, run one group after another as the script's Args is parsed (dataclasses call the first
     __post_init__ they find; each group's calls the next one's). The last, here: every number of every flag, the

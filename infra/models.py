@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from utils import PolicyAndValue, die, init_value_head
 
 from . import onednn
-from .data import looks_local, note
+from .data import is_adapters, looks_local, note
 from .flags import json_object
 
 # peft reads a property transformers deprecated, on every LoRA run: nothing a user of the scripts can change
@@ -51,8 +51,12 @@ def resolve_pretrained(name):
 def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     """`auto_cls.from_pretrained` on anything `resolve_pretrained` accepts, with a one-line error when it fails."""
     path, gguf_file = resolve_pretrained(name)
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
+    kwargs |= {"gguf_file": gguf_file} if gguf_file else {}
+    if auto_cls is AutoModelForCausalLM and is_adapters(path):  # (a --use_peft output: the model it describes)
+        from peft import PeftConfig, PeftModel
+
+        base = load_pretrained(auto_cls, PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, **kwargs)
+        return PeftModel.from_pretrained(base, path).merge_and_unload().requires_grad_(True)  # (as from_pretrained's)
     try:
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, TypeError, SafetensorError) as e:  # (TypeError: a keyword the model does not take)
@@ -167,21 +171,18 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_k
 
 def zero3(accelerator):
     """True under DeepSpeed ZeRO stage 3 (weights sharded over the processes)."""
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin is not None and plugin.zero_stage == 3
+    return getattr(accelerator.state.deepspeed_plugin, "zero_stage", None) == 3
 
 
 def prepare_frozen(accelerator, model):
-    """A frozen model (reference, reward model) on the device; under ZeRO-3 sharded over the processes as a DeepSpeed
-    inference engine with the policy's config (as the N+ details study), which is called like the model. Call after
-    accelerator.prepare, which fills in the config's "auto" values."""
+    """A frozen model (reference, reward model) on the device; under ZeRO-3 a DeepSpeed inference engine called like the
+    model, sharded with the policy's config (the N+ details study's) once accelerator.prepare filled in its "auto"s."""
     if model is None or not zero3(accelerator):
         return None if model is None else model.to(accelerator.device)
     import deepspeed
 
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-    config.pop("optimizer", None)
-    config.pop("scheduler", None)
+    config = {key: value for key, value in config.items() if key not in ("optimizer", "scheduler")}
     hidden = model.config.hidden_size
     # no prefetching: a frozen model is called in other orders than a traced training step
     config["zero_optimization"].update(
@@ -284,7 +285,15 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     run.load_data()
     critic = None
     if value_model_path:  # a saved critic, or a causal LM's trunk with a new head (as the critic from the policy's)
-        critic, new = load_scorer(value_model_path, args.trust_remote_code)
+        name, trust = value_model_path, args.trust_remote_code
+        path = resolve_pretrained(name)[0]  # (reward.py's LoRA adapters too; a saved critic has no tokenizer: its width)
+        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            other = not same_vocabulary(run.tokenizer, load_tokenizer(name, trust))
+        else:
+            other = load_pretrained(AutoConfig, name, trust).get_text_config().vocab_size < len(run.tokenizer)
+        if other:  # (before it loads)
+            die(f"value model {name!r} has another vocabulary than the policy, whose tokens the critic reads")
+        critic, new = (load_adapters(name, path, trust), {}) if is_adapters(path) else load_scorer(name, trust)
         if new:  # (loaded again with one output: a causal LM's config names transformers' default two labels)
             critic = load_scorer(value_model_path, args.trust_remote_code, num_labels=1)[0]
             init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)
@@ -328,15 +337,6 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
             if module is not None:
                 module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, ref_policy
-
-
-def router_coef(model, coef):
-    """TRL's router_aux_loss_coef: the weight of an MoE policy's router loss (None: its config's; refused if dense)"""
-    config = model.config.get_text_config()
-    if coef and not hasattr(config, "output_router_logits"):
-        die(f"--router_aux_loss_coef: {type(model).__name__} is not a mixture of experts with a router loss")
-    own = (getattr(config, "router_aux_loss_coef", None) or 0.0) if hasattr(config, "output_router_logits") else 0.0
-    return own if coef is None else coef
 
 
 class Float32Head(torch.nn.Linear):

@@ -20,6 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from utils import die
 
+from .data import is_adapters
 from .evaluation import write_eval_json
 from .models import resolve_pretrained
 
@@ -74,6 +75,10 @@ def saved_line(args, model):
         path = os.path.abspath(path) if os.path.exists(path) else path
         extra = (f", gguf_file={gguf!r}" if gguf else "") + (", num_labels=1" if head == "SequenceClassification" else "")
         base = f"transformers.AutoModelFor{head}.from_pretrained({path!r}{extra})"
+        if is_adapters(path):  # (a base that is adapters itself: theirs merged, as load_pretrained loaded it)
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                below = json.load(f)["base_model_name_or_path"]
+            base = f"peft.PeftModel.from_pretrained({base.replace(repr(path), repr(below))}, {path!r}).merge_and_unload()"
         load = f"LoRA adapters: peft.PeftModel.from_pretrained({base}, {out!r})"
     else:
         load = f"transformers.AutoModelFor{head}.from_pretrained({out!r})"

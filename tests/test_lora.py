@@ -44,6 +44,34 @@ def test_rloo_lora_trains_adapters_and_saves_them_or_merges_them(run, tmp_path, 
     torch.testing.assert_close(merged_logits, adapted_logits, atol=1e-4, rtol=1e-4)  # same seed, same run, merged
 
 
+def test_a_lora_output_starts_another_run_as_the_model_it_describes(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """A --use_peft output (adapters alone) as --model_name_or_path is its base with them merged: a run from it at
+    learning rate 0 saves peft's merge; with --use_peft, the loading call it prints gives that model (its new adapters
+    start as a no-op)"""
+    import peft
+    import torch
+    import transformers
+
+    args = common(tiny_model_dir, tiny_prompts_file, tmp_path) + " --total_episodes 16"
+    first = tmp_path / "first"
+    check_ok(run(f"rloo.py {args} --output_dir {first}", tmp_path))
+    again = args.replace(tiny_model_dir, str(first)).replace("--learning_rate 1e-2", "--learning_rate 0")
+    check_ok(run(f"rloo.py {again.replace(' --use_peft', '')} --output_dir {tmp_path / 'full'}", tmp_path))
+    proc = run(f"rloo.py {again} --output_dir {tmp_path / 'lora'}", tmp_path)
+    check_ok(proc)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    merged = peft.PeftModel.from_pretrained(base, first).merge_and_unload().eval()
+    full = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), full.state_dict().values()))
+    call = proc.stdout.strip().splitlines()[-1].split("LoRA adapters: ", 1)[1].split("; metrics in", 1)[0]
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        printed = eval(call, {"peft": peft, "transformers": transformers}).eval()(ids).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()(ids).logits  # (merged into: a
+        assert (merged(ids).logits - plain).abs().max() > 1e-4  # new one) the first run's adapters learned
+        torch.testing.assert_close(printed, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_ppo_lora_keeps_a_full_critic(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     out = tmp_path / "out"
     check_ok(run(f"ppo.py {common(tiny_model_dir, tiny_prompts_file, tmp_path)} --output_dir {out}", tmp_path))

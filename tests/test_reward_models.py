@@ -168,6 +168,31 @@ def test_reward_py_lora_adapters_load_as_a_reward_model(run, tmp_path, tools_mod
     ids = torch.tensor([tok.apply_chat_template(chat, tokenize=True, return_dict=False)])
     assert loaded(ids).logits[0, 0].item() == pytest.approx(model(ids).logits[0, 0].item(), abs=1e-6)
 
+    # the same folder starts PPO's critic (--value_model_path): at learning rate 0 the saved critic is peft's merge
+    critic = tmp_path / "ppo"
+    command = rloo_py(tools_model_dir, rm, prompts, critic).replace("rloo.py", "ppo.py", 1).replace(" --rloo_k 2", "")
+    command = command.replace(f"--reward_model_path {rm}", f"--reward_model_path {rm} --value_model_path {rm}")
+    check_ok(run(f"{command} --learning_rate 0", cwd=elsewhere))
+    saved = transformers.AutoModelForSequenceClassification.from_pretrained(critic / "critic").eval()
+    assert saved(ids).logits[0, 0].item() == pytest.approx(model(ids).logits[0, 0].item(), abs=1e-5)
+
+
+def test_a_value_model_of_another_vocabulary_is_refused_before_it_loads(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """PPO's critic reads the policy's tokens: --value_model_path with a vocabulary of its own stops in one line"""
+    from transformers import AutoTokenizer
+
+    value = tmp_path / "value"
+    shutil.copytree(tiny_model_dir, value)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(["<other>"])
+    tok.save_pretrained(value)
+    out = tmp_path / "out"
+    command = f"ppo.py --model_name_or_path {tiny_model_dir} --value_model_path {value} --dataset_name {tiny_prompts_file}"
+    proc = run(f"{command} --output_dir {out}", cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith(f"error: value model '{value}' has another vocabulary"), last
+    assert not out.exists() and "Traceback" not in proc.stderr
+
 
 @pytest.fixture(scope="session")
 def causal_lm_dirs(tiny_model_dir, tiny_llama_dir, tmp_path_factory):
