@@ -40,8 +40,9 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
     mean_score = scored_sum / max(num_scored, 1)
     stats = {"objective/scores": mean_score, "reward": mean_score, "objective/unscored": n - num_scored}
-    for source, m, sd in zip(sources, mean.tolist(), std.tolist()):
-        stats[f"rewards/{source['name']}/mean"], stats[f"rewards/{source['name']}/std"] = m, sd
+    for source, m, sd, c in zip(sources, mean.tolist(), std.tolist(), count.tolist()):
+        if c:  # (a source that scored no completion has no mean: TRL's nanmean is NaN, not 0)
+            stats[f"rewards/{source['name']}/mean"], stats[f"rewards/{source['name']}/std"] = m, sd
     return stats
 
 

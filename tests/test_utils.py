@@ -827,3 +827,21 @@ def test_the_reference_sync_is_trls_mixup():
     SyncRefModelCallback._sync_target_model(policy, theirs, 0.6)
     for r, t in zip(ref.parameters(), theirs.parameters()):
         torch.testing.assert_close(r, t, rtol=0, atol=1e-7)
+
+
+def test_each_sources_reward_stats_are_over_what_it_scored():
+    """rewards/<name>/mean and /std over the completions a source scored (NaN: not judged); one that scored none in
+    the update has neither (not a mean of 0)"""
+    from types import SimpleNamespace
+
+    from infra.outputs import reward_stats
+
+    nan = float("nan")
+    per_source = torch.tensor([[1.0, nan, 3.0, nan], [nan, nan, nan, nan]])  # (sources, completions)
+    sources = [{"name": "judge"}, {"name": "never"}]
+    scores, scored = torch.tensor([1.0, 0.0, 3.0, 0.0]), torch.tensor([True, False, True, False])
+    same = SimpleNamespace(reduce=lambda tensor, reduction: tensor)  # (one process)
+    stats = reward_stats(same, per_source, sources, scores, scored)
+    assert stats["rewards/judge/mean"] == 2.0 and stats["rewards/judge/std"] == 1.0
+    assert not any(key.startswith("rewards/never/") for key in stats)
+    assert stats["objective/scores"] == 2.0 and stats["objective/unscored"] == 2
