@@ -517,4 +517,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    main(tyro.cli(Args, args=infra.trl_argv(Args), use_underscores=True))  # (TRL's `--switch True` too)

@@ -38,6 +38,7 @@ from .flags import (
     at_least,
     json_object,
     router_coef,
+    trl_argv,
 )
 from .models import load_policy, load_policy_and_critic, prepare
 from .offline import (
@@ -61,5 +62,5 @@ __all__ = [
     "ExampleArgs", "PackingArgs", "lay_out",
     "load_policy", "load_policy_and_critic", "prepare", "Sampler", "teacher_view", "CheckpointedNumber", "start",
     "read_examples", "finite_number", "load_examples", "load_model", "load_references", "save_reward_input", "forward_packed",
-    "json_object", "at_least", "router_coef", "generate", "load_reward_fn", "call_reward_fn",
+    "json_object", "at_least", "router_coef", "trl_argv", "generate", "load_reward_fn", "call_reward_fn",
 ]  # fmt: skip

@@ -8,6 +8,8 @@ import inspect
 import json
 import math
 import os
+import sys
+import typing
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, Optional
 
@@ -28,6 +30,26 @@ def at_least(args, bound, *names, strict=False, at_most=None):
         if value is not None and (value < bound or strict and value == bound or at_most is not None and value > at_most):
             within = f"in [{bound}, {at_most}]" if at_most is not None else f"{'above' if strict else 'at least'} {bound}"
             die(f"--{name} must be {within}, got {value}")
+
+
+BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True, "false": False, "f": False, "no": False, "n": False,
+            "0": False}  # fmt: skip
+
+
+def trl_argv(cls, argv=None):
+    """The command line (sys.argv's) with TRL's values of cls's switches, `--packing True` or `--bf16=false` (as
+    HfArgumentParser reads them), as tyro's `--packing` and `--no_bf16`"""
+    hints = typing.get_type_hints(cls)
+    switches = {field.name for field in dataclasses.fields(cls) if hints.get(field.name) is bool}
+    argv, out = list(sys.argv[1:] if argv is None else argv), []
+    while argv:
+        arg = argv.pop(0)
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in switches and not eq and argv and argv[0].lower() in BOOLEANS:
+            value = argv.pop(0)
+        is_value = name in switches and value.lower() in BOOLEANS
+        out.append(f"--{'' if BOOLEANS[value.lower()] else 'no_'}{name}" if is_value else arg)
+    return out
 
 
 def json_object(args, name):

@@ -48,3 +48,25 @@ def test_every_trl_field_is_a_flag_or_said_not_offered(script, config):
     assert sorted(theirs - ours - listed) == [], f"{config}: neither a flag of {script}.py nor listed as not offered"
     assert sorted(listed & ours) == [], "listed as not offered in docs/flags.md, yet a flag"
     assert len(theirs) > 10  # (TRL's fields were read)
+
+
+def test_trls_values_of_a_switch_set_it_as_tyros_switches_do(run, tmp_path):
+    """HfArgumentParser's `--packing True`, `--bf16=false` (and yes/no, 1/0): a switch set as tyro's `--packing` and
+    `--no_bf16` set it; a flag that is not a switch keeps its value (--completion_only_loss False, --scale_rewards
+    False); and a script parses them as a user types them (its next check is the one that stops it)"""
+    import tyro
+
+    import grpo
+    import infra
+    import sft
+
+    def parsed(module, argv):
+        return tyro.cli(module.Args, args=infra.trl_argv(module.Args, argv), use_underscores=True)
+
+    args = parsed(sft, ["--packing", "True", "--bf16=false", "--use_peft", "--assistant_only_loss", "yes"])
+    assert (args.packing, args.bf16, args.use_peft, args.assistant_only_loss) == (True, False, True, True)
+    args = parsed(sft, ["--packing=0", "--completion_only_loss", "False", "--no_use_peft"])
+    assert (args.packing, args.completion_only_loss, args.use_peft) == (False, False, False)
+    assert parsed(grpo, ["--scale_rewards", "False", "--shuffle_dataset", "False"]).shuffle_dataset is False
+    proc = run("grpo.py --shuffle_dataset False --num_generations 1", cwd=tmp_path)
+    assert proc.stderr.strip().splitlines()[-1] == "error: --num_generations must be at least 2, got 1"
