@@ -24,6 +24,7 @@ The model saved loads with transformers' AutoModelForCausalLM; the heads are in 
 
 import copy
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,7 +91,9 @@ class Args(infra.ExampleArgs, ILQLArgs):
 
     def __post_init__(self):
         if self.eval_dataset_name == "auto":  # (another set's rows are not held out from the shipped one)
-            self.eval_dataset_name = "data/scored_test.jsonl" if self.dataset_name == "data/scored.jsonl" else None
+            shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "scored.jsonl")
+            same = self.dataset_name == "data/scored.jsonl" or os.path.realpath(self.dataset_name) == shipped
+            self.eval_dataset_name = "data/scored_test.jsonl" if same else None
         super().__post_init__()
 
 
@@ -249,7 +252,8 @@ def main(args):
         *sums, actions, rewards, sampled, rows = run.reduce_sum(totals).tolist()
         out = {f"eval/{name}": total / actions for name, total in zip(["loss/ilql", *terms], sums)}
         out["eval/rewards/data"] = rewards / rows  # (the held-out completions' own mean score)
-        name = (args.eval_reward_fn or "").rsplit(":", 1)[-1]  # (a function's name, as the other scripts name it)
+        spec = args.eval_reward_fn or ""  # (named as the other scripts name a source: a built-in by its name, a function
+        name = getattr(true_score, "__name__", spec) if ":" in spec else spec  # of a file or module by its own)
         return out | ({f"eval/rewards/{name}": sampled / rows} if true_score is not None else {})
 
     for update in run.updates(evaluate=evaluate):  # from the one after the newest checkpoint with --resume

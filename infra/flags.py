@@ -37,18 +37,24 @@ BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True, "false":
 
 
 def trl_argv(cls, argv=None):
-    """The command line (sys.argv's) with TRL's values of cls's switches, `--packing True` or `--bf16=false` (as
-    HfArgumentParser reads them), as tyro's `--packing` and `--no_bf16`"""
+    """The command line (sys.argv's) with TRL's boolean values (HfArgumentParser's: true/false, yes/no, 1/0, any case):
+    of cls's switches, `--packing True` or `--bf16=false` as tyro's `--packing` and `--no_bf16`; of a field that takes
+    a bool among other values (Optional[bool]), `--completion_only_loss false` as tyro's `False`"""
     hints = typing.get_type_hints(cls)
     switches = {field.name for field in dataclasses.fields(cls) if hints.get(field.name) is bool}
+    valued = {name for name, hint in hints.items() if name not in switches and bool in typing.get_args(hint)}
     argv, out = list(sys.argv[1:] if argv is None else argv), []
     while argv:
         arg = argv.pop(0)
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        if name in switches and not eq and argv and argv[0].lower() in BOOLEANS:
+        name = name.replace("-", "_")  # (both parsers take --use-peft too)
+        if name in switches | valued and not eq and argv and argv[0].lower() in BOOLEANS:
             value = argv.pop(0)
-        is_value = name in switches and value.lower() in BOOLEANS
-        out.append(f"--{'' if BOOLEANS[value.lower()] else 'no_'}{name}" if is_value else arg)
+        if name in switches and value.lower() in BOOLEANS:
+            arg = f"--{'' if BOOLEANS[value.lower()] else 'no_'}{name}"
+        elif name in valued and value.lower() in BOOLEANS:
+            arg = f"--{name}={BOOLEANS[value.lower()]}"
+        out.append(arg)
     return out
 
 

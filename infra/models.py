@@ -12,7 +12,9 @@ import warnings
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+from transformers.utils import cached_file, find_adapter_config_file
 
 from utils import PolicyAndValue, die, init_value_head
 
@@ -52,11 +54,11 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     """`auto_cls.from_pretrained` on anything `resolve_pretrained` accepts, with a one-line error when it fails."""
     path, gguf_file = resolve_pretrained(name)
     kwargs |= {"gguf_file": gguf_file} if gguf_file else {}
-    if auto_cls is AutoModelForCausalLM and is_adapters(path):  # (a --use_peft output: the model it describes)
-        from peft import PeftConfig, PeftModel
-
-        base = load_pretrained(auto_cls, PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, **kwargs)
-        return PeftModel.from_pretrained(base, path).merge_and_unload().requires_grad_(True)  # (as from_pretrained's)
+    if auto_cls in (AutoModelForCausalLM, AutoConfig) and not gguf_file and is_adapters(path):  # (a --use_peft
+        config, peft = peft_of(name)  # output: the model it describes, its base with the adapters merged)
+        below = {key: value for key, value in kwargs.items() if key != "revision"}  # (the adapters' revision)
+        base = load_pretrained(auto_cls, config.from_pretrained(path).base_model_name_or_path, trust_remote_code, **below)
+        return base if auto_cls is AutoConfig else peft.from_pretrained(base, path).merge_and_unload().requires_grad_(True)
     try:
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, TypeError, SafetensorError) as e:  # (TypeError: a keyword the model does not take)
@@ -103,8 +105,6 @@ def load_reward_model(name, trust_remote_code=False):
     """A reward model (--reward_model_path): a sequence-classification model with one output and the score head its
     checkpoint holds, or reward.py's LoRA adapters (load_adapters). A checkpoint without a trained score head (a causal
     LM) stops the run in one line: transformers would start one at random, and RL would train on its noise."""
-    from transformers.utils import find_adapter_config_file
-
     path, gguf_file = resolve_pretrained(name)
     if not gguf_file and find_adapter_config_file(path):
         model = load_adapters(name, path, trust_remote_code)
@@ -117,21 +117,27 @@ def load_reward_model(name, trust_remote_code=False):
     return model
 
 
+def peft_of(name):
+    """peft's PeftConfig and PeftModel for the LoRA adapters `name`, or one line (no peft; ZeRO-3's base: not mergeable)"""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    try:
+        from peft import PeftConfig, PeftModel
+    except ImportError:
+        die(f"{name!r} is LoRA adapters, which need the peft package: pip install peft")
+    if is_deepspeed_zero3_enabled():
+        die(f"{name!r} is LoRA adapters, which do not load under ZeRO-3: save them merged (--merge_lora) and load that")
+    return PeftConfig, PeftModel
+
+
 def load_adapters(name, path, trust_remote_code=False):
     """A reward model saved as LoRA adapters (reward.py --use_peft without --merge_lora), as peft loads it: the base model
     adapter_config.json names, as sequence classification with one output, the adapters and the score head they
     trained whole (peft's modules_to_save), merged for inference; its reading rule from reward_input.json beside them
     (save_policy), as a merged model's config holds it."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-    from transformers.utils import cached_file
+    PeftConfig, PeftModel = peft_of(name)
+    from peft.utils import load_peft_weights
 
-    try:
-        from peft import PeftConfig, PeftModel
-        from peft.utils import load_peft_weights
-    except ImportError:
-        die(f"reward model {name!r} is LoRA adapters, which need the peft package: pip install peft")
-    if is_deepspeed_zero3_enabled():  # (the base would load sharded, which peft cannot merge into)
-        die(f"reward model {name!r} is LoRA adapters, which do not load under ZeRO-3: re-run reward.py with --merge_lora")
     base, new = load_scorer(PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, num_labels=1)
     saved = load_peft_weights(path)  # (their keys: base_model.model.score.weight for the head)
     if any(not any(k.endswith("." + key) for k in saved) for key in new):
@@ -150,8 +156,6 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_k
     """Tokenizer with left padding (prompts are batched on the left) and a pad token (the EOS token if it had none);
     chat_template: a Jinja file that replaces its chat template (--chat_template, saved with the model);
     template_kwargs: the chat template's keyword arguments in every rendering (--chat_template_kwargs)."""
-    from transformers import AutoTokenizer
-
     tokenizer = load_pretrained(AutoTokenizer, name, trust_remote_code, revision=revision)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -214,8 +218,6 @@ def check_model(model, critic=False):
     RWKV, Jamba, LFM2's convolutions, ...) carries its context in a state, not a KV cache, which generate() can neither
     share among a prompt's completions nor extend token by token (and which RWKV's left padding changes). critic: the
     script builds a sequence-classification model of the policy's family (PPO's critic on the policy's trunk)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
     config = getattr(model, "module", model).config
     layers = set(getattr(config.get_text_config(), "layer_types", None) or [])
     if getattr(model, "_is_stateful", False) or layers & {"conv", "linear_attention", "hybrid", "hybrid_sliding"}:
@@ -286,13 +288,10 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     critic = None
     if value_model_path:  # a saved critic, or a causal LM's trunk with a new head (as the critic from the policy's)
         name, trust = value_model_path, args.trust_remote_code
-        path = resolve_pretrained(name)[0]  # (reward.py's LoRA adapters too; a saved critic has no tokenizer: its width)
-        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            other = not same_vocabulary(run.tokenizer, load_tokenizer(name, trust))
-        else:
-            other = load_pretrained(AutoConfig, name, trust).get_text_config().vocab_size < len(run.tokenizer)
-        if other:  # (before it loads)
-            die(f"value model {name!r} has another vocabulary than the policy, whose tokens the critic reads")
+        widths = [load_pretrained(AutoConfig, n, trust).get_text_config().vocab_size for n in (name, args.model_name_or_path)]
+        if widths[0] != widths[1]:  # (checked before it loads; a saved critic has no tokenizer to compare)
+            die(f"value model {name!r} is {widths[0]} tokens wide, the policy {widths[1]}: a critic reads the policy's")
+        path = resolve_pretrained(name)[0]  # (reward.py's LoRA adapters too)
         critic, new = (load_adapters(name, path, trust), {}) if is_adapters(path) else load_scorer(name, trust)
         if new:  # (loaded again with one output: a causal LM's config names transformers' default two labels)
             critic = load_scorer(value_model_path, args.trust_remote_code, num_labels=1)[0]

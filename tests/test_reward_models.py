@@ -178,19 +178,19 @@ def test_reward_py_lora_adapters_load_as_a_reward_model(run, tmp_path, tools_mod
 
 
 def test_a_value_model_of_another_vocabulary_is_refused_before_it_loads(run, tmp_path, tiny_model_dir, tiny_prompts_file):
-    """PPO's critic reads the policy's tokens: --value_model_path with a vocabulary of its own stops in one line"""
-    from transformers import AutoTokenizer
+    """PPO's critic reads the policy's tokens: --value_model_path of another width (a saved critic holds no tokenizer to
+    compare) stops in one line"""
+    from transformers import AutoModelForCausalLM
 
     value = tmp_path / "value"
-    shutil.copytree(tiny_model_dir, value)
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tok.add_tokens(["<other>"])
-    tok.save_pretrained(value)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.resize_token_embeddings(model.config.vocab_size - 8)
+    model.save_pretrained(value)
     out = tmp_path / "out"
     command = f"ppo.py --model_name_or_path {tiny_model_dir} --value_model_path {value} --dataset_name {tiny_prompts_file}"
     proc = run(f"{command} --output_dir {out}", cwd=tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith(f"error: value model '{value}' has another vocabulary"), last
+    assert proc.returncode == 2 and last.startswith(f"error: value model '{value}' is 504 tokens wide, the policy 512"), last
     assert not out.exists() and "Traceback" not in proc.stderr
 
 

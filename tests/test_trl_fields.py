@@ -51,9 +51,10 @@ def test_every_trl_field_is_a_flag_or_said_not_offered(script, config):
 
 
 def test_trls_values_of_a_switch_set_it_as_tyros_switches_do(run, tmp_path):
-    """HfArgumentParser's `--packing True`, `--bf16=false` (and yes/no, 1/0): a switch set as tyro's `--packing` and
-    `--no_bf16` set it; a flag that is not a switch keeps its value (--completion_only_loss False, --scale_rewards
-    False); and a script parses them as a user types them (its next check is the one that stops it)"""
+    """HfArgumentParser's `--packing True`, `--bf16=false` (and yes/no, 1/0, any case, --use-peft): a switch set as
+    tyro's `--packing` and `--no_bf16` set it; a field that takes a bool among other values takes them too
+    (--completion_only_loss false, --scale_rewards false); and a script parses them as a user types them (its next
+    check is the one that stops it)"""
     import tyro
 
     import grpo
@@ -65,8 +66,11 @@ def test_trls_values_of_a_switch_set_it_as_tyros_switches_do(run, tmp_path):
 
     args = parsed(sft, ["--packing", "True", "--bf16=false", "--use_peft", "--assistant_only_loss", "yes"])
     assert (args.packing, args.bf16, args.use_peft, args.assistant_only_loss) == (True, False, True, True)
-    args = parsed(sft, ["--packing=0", "--completion_only_loss", "False", "--no_use_peft"])
-    assert (args.packing, args.completion_only_loss, args.use_peft) == (False, False, False)
-    assert parsed(grpo, ["--scale_rewards", "False", "--shuffle_dataset", "False"]).shuffle_dataset is False
+    args = parsed(sft, ["--packing=0", "--completion_only_loss", "false", "--no_use_peft", "--bf16", "--seed", "1"])
+    assert (args.packing, args.completion_only_loss, args.use_peft, args.bf16, args.seed) == (False, False, False, True, 1)
+    args = parsed(sft, ["--use-peft", "TRUE", "--completion_only_loss", "None"])
+    assert args.use_peft is True and args.completion_only_loss is None
+    args = parsed(grpo, ["--scale_rewards", "false", "--shuffle_dataset", "False"])
+    assert args.scale_rewards is False and args.shuffle_dataset is False  # (grpo.py's main makes False none)
     proc = run("grpo.py --shuffle_dataset False --num_generations 1", cwd=tmp_path)
     assert proc.stderr.strip().splitlines()[-1] == "error: --num_generations must be at least 2, got 1"

@@ -587,12 +587,21 @@ def test_a_reward_function_is_called_as_it_can_be_or_refused_at_load(tmp_path):
     parameter under another name) is refused as it loads, in one line, not at the first batch"""
     (tmp_path / "rew.py").write_text(
         "def alone(completions):\n    return [len(c) for c in completions]\n"
+        "def singular(prompt, completion):\n    return [len(c) for c in completion]\n"
         "def texts(samples):\n    return [0.0 for s in samples]\n"
+        "def starred(*args):\n    return []\n"
+        "def answer_only(*, answer):\n    return answer\n"
     )
     fn = infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:alone", columns=["answer", "completion_ids"])
     assert infra.rewards.call_reward_fn(fn, ["p", "q"], ["ab", "c"], {"answer": [1, 2]}) == [2, 1]
+    # by position, a column named as its second parameter is not given twice
+    fn = infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:singular", columns=["completion"])
+    assert infra.rewards.call_reward_fn(fn, ["p", "q"], ["ab", "c"], {"completion": ["xyz", "w"]}) == [2, 1]
     with pytest.raises(SystemExit, match=r"rew.py:texts' cannot be called as f\(prompts, completions, \*\*columns\)"):
         infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:texts", columns=[])
+    for name in ["starred", "answer_only"]:  # (called, they would read no completion)
+        with pytest.raises(SystemExit, match="it would get no completions"):
+            infra.rewards.load_reward_fn(f"{tmp_path}/rew.py:{name}", columns=["answer"])
 
 
 REWARD_FORMS = """
