@@ -5,7 +5,8 @@
 The protocol: POST {"prompts": [...], "completions": [...], "<column>": [...]} (each dataset column of the rows) in
 batches of REWARD_BATCH_SIZE completions (default 64); the reply must be {"rewards": [number or null, ...]}, one per
 completion, null meaning "cannot judge". A failed request waits at most REWARD_TIMEOUT seconds (default 60) and is sent
-again up to REWARD_RETRIES times (default 3), after 1, 2, 4, ... seconds; then the run stops with one line.
+again up to REWARD_RETRIES times (default 3), after 1, 2, 4, ... seconds; then the run stops with one line. A server
+that cannot be reached as the file loads (tried as often) stops the run before any model loads.
 
 For several servers, write a function per server that calls ask() (each is a reward source of its own):
 
@@ -18,8 +19,10 @@ For several servers, write a function per server that calls ask() (each is a rew
 import http.client
 import json
 import os
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 URL = os.environ.get("REWARD_URL")
@@ -27,6 +30,25 @@ BATCH_SIZE, TIMEOUT = int(os.environ.get("REWARD_BATCH_SIZE", 64)), float(os.env
 RETRIES = int(os.environ.get("REWARD_RETRIES", 3))
 if URL is not None and not URL.startswith(("http://", "https://")):  # checked as the scripts load the function
     raise SystemExit(f"error: REWARD_URL {URL!r} must start with http:// or https://")
+
+
+def reachable(url, timeout=60.0, retries=3):
+    """Stop in one line unless a connection to url's host opens (tried as ask() tries a request): a server that is down
+    stops the run as the scripts load the function, before any model loads"""
+    parts = urllib.parse.urlsplit(url)
+    for attempt in range(retries + 1):
+        try:
+            socket.create_connection((parts.hostname, parts.port or {"https": 443}.get(parts.scheme, 80)), timeout).close()
+            return
+        except OSError as e:
+            error = e
+        if attempt < retries:
+            time.sleep(2**attempt)
+    raise SystemExit(f"error: reward server {url} cannot be reached ({retries + 1} time(s)): {error}")
+
+
+if URL is not None:
+    reachable(URL, TIMEOUT, RETRIES)
 
 
 def ask(url, prompts, completions, columns, batch_size=64, timeout=60.0, retries=3):

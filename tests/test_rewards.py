@@ -262,6 +262,27 @@ def test_reward_server_failures_stop_the_run_with_one_line(
     assert not os.path.exists(out / "metrics.jsonl") or not read_metrics(out)
 
 
+def test_a_reward_server_that_is_down_stops_the_run_before_any_model_loads(
+    run, tmp_path, tiny_model_dir, columns_data, monkeypatch
+):
+    """examples/reward_server.py:server with REWARD_URL at a port nothing listens on: one line as the function loads,
+    nothing written (a server that is up: test_reward_server_batches_retries_and_nulls)"""
+    import socket
+
+    with socket.socket() as closed:  # a port that was free a moment ago
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    data, _ = columns_data
+    out = tmp_path / "out"
+    monkeypatch.setenv("REWARD_URL", f"http://127.0.0.1:{port}/score")
+    monkeypatch.setenv("REWARD_RETRIES", "1")
+    extra = f"--rloo_k 4 --reward_fn {os.path.join(REPO, 'examples', 'reward_server.py')}:server"
+    proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: reward server http://127.0.0.1:{port}/score cannot be reached (2 time(s))"), last
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
