@@ -1,6 +1,5 @@
-"""Loading models and tokenizers (hub ids, folders, .gguf files and packages), the checks of a model the scripts cannot
-train, and the policy, reference and critic a script gets: LoRA, gradient checkpointing, a float32 output projection,
-the optimiser, preparation, and saving."""
+"""Loading models and tokenizers (hub ids, folders, .gguf files, packages, LoRA adapters), the checks of a model the
+scripts cannot train, and the policy, reference and critic a script gets: LoRA, a float32 head, preparation, saving."""
 
 import copy
 import functools
@@ -105,16 +104,20 @@ def load_reward_model(name, trust_remote_code=False):
     """A reward model (--reward_model_path): a sequence-classification model with one output and the score head its
     checkpoint holds, or reward.py's LoRA adapters (load_adapters). A checkpoint without a trained score head (a causal
     LM) stops the run in one line: transformers would start one at random, and RL would train on its noise."""
-    path, gguf_file = resolve_pretrained(name)
-    if not gguf_file and find_adapter_config_file(path):
-        model = load_adapters(name, path, trust_remote_code)
-    else:
-        model, new = load_scorer(name, trust_remote_code)
-        if new:
-            die(f"reward model {name!r} has no trained score head (a causal LM?): train one with reward.py")
+    model, new = scorer_or_adapters(name, trust_remote_code)
+    if new:
+        die(f"reward model {name!r} has no trained score head (a causal LM?): train one with reward.py")
     if model.config.num_labels != 1:
         die(f"reward model {name!r} has num_labels={model.config.num_labels}; it must be 1")
     return model
+
+
+def scorer_or_adapters(name, trust_remote_code=False):
+    """load_scorer's (model, its new head's keys), or reward.py's LoRA adapters merged (load_adapters: a trained head)"""
+    path, gguf_file = resolve_pretrained(name)
+    if not gguf_file and find_adapter_config_file(path):
+        return load_adapters(name, path, trust_remote_code), set()
+    return load_scorer(name, trust_remote_code)
 
 
 def peft_of(name):
@@ -244,8 +247,7 @@ def load_policy(run, reference=True, reference_kwargs=None):
     its LoRA adapters), the frozen reference (the initial policy; none with reference False, or with LoRA: the policy
     with its adapters switched off; reference a model's name: that model, loaded with reference_kwargs, distill.py's
     teacher, whose vocabulary must be the policy's; under ZeRO-3 loaded anew, sharded as it loads), as loaded: a script
-    makes the optimiser of the policy's trainable weights, then prepare() readies the three. Returns (policy,
-    ref_policy or None)."""
+    makes the optimiser of the policy's trainable weights, then prepare() readies them. Returns (policy, ref or None)."""
     args, accelerator = run.args, run.accelerator
     run.load_data()
     init = json_object(args, "model_init_kwargs")
@@ -291,8 +293,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
         widths = [load_pretrained(AutoConfig, n, trust).get_text_config().vocab_size for n in (name, args.model_name_or_path)]
         if widths[0] != widths[1]:  # (checked before it loads; a saved critic has no tokenizer to compare)
             die(f"value model {name!r} is {widths[0]} tokens wide, the policy {widths[1]}: a critic reads the policy's")
-        path = resolve_pretrained(name)[0]  # (reward.py's LoRA adapters too)
-        critic, new = (load_adapters(name, path, trust), {}) if is_adapters(path) else load_scorer(name, trust)
+        critic, new = scorer_or_adapters(name, trust)  # (reward.py's LoRA adapters too)
         if new:  # (loaded again with one output: a causal LM's config names transformers' default two labels)
             critic = load_scorer(value_model_path, args.trust_remote_code, num_labels=1)[0]
             init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)

@@ -44,12 +44,13 @@ class Run:
     sources, the held-out set and the PTX texts; updates() resumes a run and counts the updates; log(),
     evaluate_and_checkpoint() and finish() write everything."""
 
-    def __init__(self, args, accelerator, run_name, k, default_reward="sentiment", needs=None):
+    def __init__(self, args, accelerator, run_name, k, default_reward="sentiment", columns=None, held_out_columns=None):
         self.args, self.accelerator, self.run_name, self.k = args, accelerator, run_name, k
         self.device = accelerator.device
         self.episode, self.update, self.start_update, self.last_checkpoint, self.printed = 0, 0, 1, None, None
         self.model = self.ema = self.sampler = self.writer = self.measure = None
-        self.ptx_losses, self.default_reward, self.held_out, self.needs = [], default_reward, None, needs or {}
+        self.ptx_losses, self.default_reward, self.held_out = [], default_reward, None
+        self.reads = [("the dataset", columns or {}), ("--eval_dataset_name", held_out_columns or {})]  # (start's)
 
     def load_data(self):
         """The tokenizer, the stop token, the prompts (token ids, texts, the other columns), the held-out set, the reward
@@ -84,8 +85,8 @@ class Run:
         else:
             self.eval_set = load_eval(args, self.tokenizer, self.columns, env=self.env)
         held_out = self.eval_set[3] if self.eval_set is not None and not isinstance(args, tldr.TldrArgs) else None
-        for (where, needs), has in zip(self.needs.items(), [self.columns, held_out]):  # (the script's: start's)
-            for column, flag in needs.items():
+        for (where, reads), has in zip(self.reads, [self.columns, held_out]):  # the columns the script reads
+            for column, flag in reads.items():
                 if has is not None and column not in has:
                     die(f"{where} has no column {column!r} for {flag}; its columns: {sorted(has)}")
         self.sources = load_reward_sources(
@@ -405,8 +406,7 @@ def start(args, k=1, default_reward="sentiment", examples=None, columns=None, he
     np.random.seed(seed)
     torch.manual_seed(seed)
     # (nothing loaded yet: the script checks its flags first)
-    needs = {"the dataset": columns or {}, "--eval_dataset_name": held_out_columns or {}}
-    return Run(args, accelerator, open_output_dir(args), k, default_reward, needs=needs)
+    return Run(args, accelerator, open_output_dir(args), k, default_reward, columns, held_out_columns)
 
 
 class CheckpointedNumber:
