@@ -27,7 +27,8 @@ from .models import resolve_pretrained
 
 def reward_stats(accelerator, per_source, sources, scores, scored):
     """rewards/<name>/mean and /std of each source over the completions it scored, objective/scores (the weighted score
-    of the scored completions; TRL's reward) and objective/unscored, over all processes in one reduction."""
+    of the scored completions, NaN where none was: TRL's nanmean reward) and objective/unscored, over all processes in one
+    reduction."""
     valid = ~per_source.isnan()
     values = per_source.nan_to_num(0.0)
     sums = torch.stack([values.sum(1), (values * values).sum(1), valid.sum(1).float()], 1)  # (sources, 3)
@@ -38,7 +39,7 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     (total, square, count), (scored_sum, num_scored, n) = sums[:-1].unbind(1), sums[-1].tolist()
     mean = total / count.clamp(min=1)
     std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
-    mean_score = scored_sum / max(num_scored, 1)
+    mean_score = scored_sum / num_scored if num_scored else math.nan
     stats = {"objective/scores": mean_score, "reward": mean_score, "objective/unscored": n - num_scored}
     for source, m, sd, c in zip(sources, mean.tolist(), std.tolist(), count.tolist()):
         if c:  # (a source that scored no completion has no mean: TRL's nanmean is NaN, not 0)

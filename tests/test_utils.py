@@ -840,7 +840,7 @@ def test_the_reference_sync_is_trls_mixup():
 
 def test_each_sources_reward_stats_are_over_what_it_scored():
     """rewards/<name>/mean and /std over the completions a source scored (NaN: not judged); one that scored none in
-    the update has neither (not a mean of 0)"""
+    the update has neither (not a mean of 0); objective/scores is NaN when no completion was scored (TRL's nanmean)"""
     from types import SimpleNamespace
 
     from infra.outputs import reward_stats
@@ -854,3 +854,5 @@ def test_each_sources_reward_stats_are_over_what_it_scored():
     assert stats["rewards/judge/mean"] == 2.0 and stats["rewards/judge/std"] == 1.0
     assert not any(key.startswith("rewards/never/") for key in stats)
     assert stats["objective/scores"] == 2.0 and stats["objective/unscored"] == 2
+    none = reward_stats(same, per_source, sources, scores, torch.zeros(4, dtype=torch.bool))  # nothing scored
+    assert math.isnan(none["objective/scores"]) and math.isnan(none["reward"]) and none["objective/unscored"] == 4
