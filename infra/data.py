@@ -12,6 +12,7 @@ import json
 import os
 
 import torch
+from transformers.utils import cached_file, find_adapter_config_file
 
 from utils import INVALID_LOGPROB, die, logprobs_from_logits, pad_cat
 
@@ -19,9 +20,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
 
 
+def optional_file(path, name):
+    """the local path of the file `name` in a folder or a hub repository, None where it has none (or none is reachable)"""
+    quiet = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+    return cached_file(path, name, _raise_exceptions_for_gated_repo=False, **quiet)
+
+
 def is_adapters(path):
-    """whether path is a folder of LoRA adapters alone (a script's --use_peft output without --merge_lora)"""
-    return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json"))
+    """adapter_config.json of path (a folder or a hub id) where it holds LoRA adapters alone, without a whole model's
+    config.json (a --use_peft output without --merge_lora, the policy's or reward.py's), else None"""
+    try:
+        found = find_adapter_config_file(path)
+        whole = found and optional_file(path, "config.json")
+    except OSError:  # (a hub id that does not exist: its loading call says so in one line)
+        return None
+    return None if whole else found
 
 
 def looks_local(name):

@@ -13,12 +13,11 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-from transformers.utils import cached_file, find_adapter_config_file
 
 from utils import PolicyAndValue, die, init_value_head
 
 from . import onednn
-from .data import is_adapters, looks_local, note
+from .data import is_adapters, looks_local, note, optional_file
 from .flags import json_object
 
 # peft reads a property transformers deprecated, on every LoRA run: nothing a user of the scripts can change
@@ -103,20 +102,21 @@ def load_scorer(name, trust_remote_code=False, **kwargs):
 def load_reward_model(name, trust_remote_code=False):
     """A reward model (--reward_model_path): a sequence-classification model with one output and the score head its
     checkpoint holds, or reward.py's LoRA adapters (load_adapters). A checkpoint without a trained score head (a causal
-    LM) stops the run in one line: transformers would start one at random, and RL would train on its noise."""
+    LM, or a policy's adapters) stops the run in one line: transformers would start one at random, and RL would train on
+    its noise."""
     model, new = scorer_or_adapters(name, trust_remote_code)
     if new:
-        die(f"reward model {name!r} has no trained score head (a causal LM?): train one with reward.py")
+        die(f"reward model {name!r} has no trained score head (a causal LM or its adapters?): train one with reward.py")
     if model.config.num_labels != 1:
         die(f"reward model {name!r} has num_labels={model.config.num_labels}; it must be 1")
     return model
 
 
 def scorer_or_adapters(name, trust_remote_code=False):
-    """load_scorer's (model, its new head's keys), or reward.py's LoRA adapters merged (load_adapters: a trained head)"""
+    """load_scorer's (model, its new head's keys) of a model, or of LoRA adapters merged into their base (load_adapters)"""
     path, gguf_file = resolve_pretrained(name)
-    if not gguf_file and find_adapter_config_file(path):
-        return load_adapters(name, path, trust_remote_code), set()
+    if not gguf_file and is_adapters(path):
+        return load_adapters(name, path, trust_remote_code)
     return load_scorer(name, trust_remote_code)
 
 
@@ -134,25 +134,21 @@ def peft_of(name):
 
 
 def load_adapters(name, path, trust_remote_code=False):
-    """A reward model saved as LoRA adapters (reward.py --use_peft without --merge_lora), as peft loads it: the base model
-    adapter_config.json names, as sequence classification with one output, the adapters and the score head they
-    trained whole (peft's modules_to_save), merged for inference; its reading rule from reward_input.json beside them
-    (save_policy), as a merged model's config holds it."""
+    """LoRA adapters (a --use_peft output without --merge_lora: reward.py's, or a policy's) as a sequence-classification
+    model with one output, as peft loads them: the base model adapter_config.json names, the adapters merged and the
+    score head where they trained it whole (reward.py: peft's modules_to_save); its reading rule from reward_input.json
+    beside them (save_policy), as a merged model's config holds it. Returns (model, the head's keys they lack)."""
     PeftConfig, PeftModel = peft_of(name)
     from peft.utils import load_peft_weights
 
     base, new = load_scorer(PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, num_labels=1)
     saved = load_peft_weights(path)  # (their keys: base_model.model.score.weight for the head)
-    if any(not any(k.endswith("." + key) for k in saved) for key in new):
-        die(f"reward model {name!r} has no trained score head (LoRA adapters without one): train one with reward.py")
+    new = {key for key in new if not any(k.endswith("." + key) for k in saved)}
     model = PeftModel.from_pretrained(base, path).merge_and_unload()
-    rule = cached_file(
-        path, "reward_input.json", _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
-    )
-    if rule:
+    if rule := optional_file(path, "reward_input.json"):
         with open(rule) as f:
             model.config.reward_input = json.load(f)
-    return model
+    return model, new
 
 
 def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_kwargs=None, revision=None):
@@ -293,9 +289,10 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
         widths = [load_pretrained(AutoConfig, n, trust).get_text_config().vocab_size for n in (name, args.model_name_or_path)]
         if widths[0] != widths[1]:  # (checked before it loads; a saved critic has no tokenizer to compare)
             die(f"value model {name!r} is {widths[0]} tokens wide, the policy {widths[1]}: a critic reads the policy's")
-        critic, new = scorer_or_adapters(name, trust)  # (reward.py's LoRA adapters too)
-        if new:  # (loaded again with one output: a causal LM's config names transformers' default two labels)
+        critic, new = scorer_or_adapters(name, trust)  # (LoRA adapters too)
+        if new and critic.config.num_labels != 1:  # (loaded again: a causal LM's config names transformers' two labels)
             critic = load_scorer(value_model_path, args.trust_remote_code, num_labels=1)[0]
+        if new:
             init_value_head(critic.score, getattr(critic.config, "initializer_range", 0.02), args.seed)
             note(f"value model {value_model_path!r} has no trained score head: its trunk starts the critic, with a new one")
         if critic.config.num_labels != 1:

@@ -68,8 +68,8 @@ def load_call(name, head):
     their base (models.load_pretrained)"""
     path, gguf = resolve_pretrained(name)
     path = os.path.abspath(path) if os.path.exists(path) else path
-    if not gguf and is_adapters(path):
-        with open(os.path.join(path, "adapter_config.json")) as f:
+    if not gguf and (config := is_adapters(path)):
+        with open(config) as f:
             base = load_call(json.load(f)["base_model_name_or_path"], head)
         return f"peft.PeftModel.from_pretrained({base}, {path!r}).merge_and_unload()"
     extra = (f", gguf_file={gguf!r}" if gguf else "") + (", num_labels=1" if head == "SequenceClassification" else "")

@@ -47,7 +47,7 @@ def test_rloo_lora_trains_adapters_and_saves_them_or_merges_them(run, tmp_path, 
 def test_a_lora_output_starts_another_run_as_the_model_it_describes(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """A --use_peft output (adapters alone) as --model_name_or_path is its base with them merged: a run from it at
     learning rate 0 saves peft's merge; with --use_peft, the loading call it prints gives that model (its new adapters
-    start as a no-op)"""
+    start as a no-op); as PPO's --value_model_path, the merge's trunk starts the critic"""
     import peft
     import torch
     import transformers
@@ -70,6 +70,16 @@ def test_a_lora_output_starts_another_run_as_the_model_it_describes(run, tmp_pat
         plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()(ids).logits  # (merged into: a
         assert (merged(ids).logits - plain).abs().max() > 1e-4  # new one) the first run's adapters learned
         torch.testing.assert_close(printed, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
+    # the same adapters as PPO's critic (--value_model_path): their merged trunk starts it, with a new head
+    from safetensors.torch import load_file
+
+    proc = run(f"ppo.py {again} --value_model_path {first} --output_dir {tmp_path / 'ppo'}", tmp_path)
+    check_ok(proc)
+    assert f"note: value model {str(first)!r} has no trained score head: its trunk starts the critic" in proc.stdout
+    critic = load_file(tmp_path / "ppo" / "critic" / "model.safetensors")
+    trunk = {k: w for k, w in merged.state_dict().items() if k.startswith(merged.base_model_prefix + ".")}
+    assert trunk and all(torch.equal(critic[key], weight) for key, weight in trunk.items())
 
 
 def test_ppo_lora_keeps_a_full_critic(run, tmp_path, tiny_model_dir, tiny_prompts_file):

@@ -237,7 +237,8 @@ def test_a_causal_lm_is_refused_as_a_reward_model(script, model, run, tmp_path, 
     proc = run(f"{command} --total_episodes 16 --output_dir {out}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"error: reward model {path!r} has no trained score head (a causal LM?): train one with reward.py"
+    why = "has no trained score head (a causal LM or its adapters?): train one with reward.py"
+    assert last == f"error: reward model {path!r} {why}"
     assert "Traceback" not in proc.stderr and "LOAD REPORT" not in proc.stderr
     assert not out.exists()
 
