@@ -96,12 +96,23 @@ class TrainArgs(Checked):
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass instead of storing them: less memory, about a third more compute"""
     use_peft: bool = False
-    """train LoRA adapters (peft) on every linear layer of the model instead of all its weights; a script's reference
-    is then the model with its adapters switched off, so no second copy is held"""
+    """train LoRA adapters (peft) on the --lora_target_modules instead of all the model's weights; a script's
+    reference is then the model with its adapters switched off, so no second copy is held"""
     lora_r: int = 16
     """the LoRA rank"""
     lora_alpha: int = 32
     """the LoRA scale numerator: the adapters' product is scaled by lora_alpha / lora_r"""
+    lora_target_modules: Optional[list[str]] = None
+    """the modules LoRA adapts, by name (TRL's); None: peft's default for the model's family, as TRL (q_proj and
+    v_proj on Llama); all-linear: every linear layer but the output layer"""
+    lora_modules_to_save: Optional[list[str]] = None
+    """modules trained whole beside the adapters, by name (TRL's; e.g. embed_tokens)"""
+    lora_dropout: float = 0.0
+    """TRL's (default 0.05): 0 only, the scripts running no dropout (docs/flags.md, disable_dropout)"""
+    use_rslora: bool = False
+    """rank-stabilised LoRA: the adapters' product scaled by lora_alpha / sqrt(lora_r) (TRL's)"""
+    use_dora: bool = False
+    """DoRA, weight-decomposed LoRA (TRL's)"""
     merge_lora: bool = False
     """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
     ema_beta: Optional[float] = None
@@ -130,6 +141,18 @@ class TrainArgs(Checked):
         """the updates of the learning rate's warmup: --warmup_steps, else --warmup_ratio of the run's (transformers')"""
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.num_updates)
 
+    def lora_config(self, modules_to_save=None):
+        """peft's LoraConfig keywords of the flags (TRL's get_peft_config); modules_to_save: the script's own (a new head)"""
+        targets = self.lora_target_modules
+        return dict(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            target_modules="all-linear" if targets == ["all-linear"] else targets,  # (None: peft's default, as TRL)
+            modules_to_save=(modules_to_save or []) + (self.lora_modules_to_save or []) or None,
+            use_rslora=self.use_rslora,
+            use_dora=self.use_dora,
+        )
+
     def __post_init__(self):  # the checks of these flags, right after parsing (the scripts check their own)
         at_least(self, 1, "total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches")
         at_least(self, 0, "learning_rate", "max_grad_norm", "checkpoint_every")  # (max_grad_norm 0: no clipping)
@@ -149,6 +172,8 @@ class TrainArgs(Checked):
             die(f"--seed must be in [0, 2**32), got {self.seed}")
         if self.ema_beta is not None and not 0 <= self.ema_beta < 1:
             die(f"--ema_beta must be in [0, 1), got {self.ema_beta}")
+        if self.lora_dropout != 0:  # (a policy that samples and one that trains must be one function)
+            die(f"--lora_dropout must be 0: the scripts run no dropout (docs/flags.md), got {self.lora_dropout}")
         if self.ema_beta is not None and self.use_peft:  # LoRA's saves would each need an EMA twin
             die("--ema_beta does not work with --use_peft yet")
         if self.push_to_hub:  # a valid repo id, a saved model and the huggingface_hub package

@@ -1,5 +1,6 @@
 """--use_peft: LoRA adapters on the policy, the reference being the policy with its adapters switched off."""
 
+import json
 import os
 
 import pytest
@@ -28,6 +29,12 @@ def test_rloo_lora_trains_adapters_and_saves_them_or_merges_them(run, tmp_path, 
     assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] != 0.0
 
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    # TRL's --use_peft: peft's default modules for the family (GPT-NeoX's attention product here), no dropout run
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert sorted(config["target_modules"]) == sorted(DEFAULTS["gpt_neox"]) and config["use_dora"] is False
     assert not os.path.exists(tmp_path / "adapter" / "model.safetensors")  # no full copy of the weights
     # the model card replaces the one peft writes with the adapters
     card, merged_card = (tmp_path / "adapter" / "README.md").read_text(), (tmp_path / "merged" / "README.md").read_text()
@@ -80,6 +87,30 @@ def test_a_lora_output_starts_another_run_as_the_model_it_describes(run, tmp_pat
     critic = load_file(tmp_path / "ppo" / "critic" / "model.safetensors")
     trunk = {k: w for k, w in merged.state_dict().items() if k.startswith(merged.base_model_prefix + ".")}
     assert trunk and all(torch.equal(critic[key], weight) for key, weight in trunk.items())
+
+
+def test_trls_lora_flags_set_peft_s_config(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--lora_target_modules (all-linear too), --lora_modules_to_save, --use_rslora, --use_dora: peft's LoraConfig as
+    TRL's get_peft_config sets it, saved in adapter_config.json; a module the model lacks and --lora_dropout (the
+    scripts run no dropout) are one line each, nothing written"""
+    args = common(tiny_model_dir, tiny_prompts_file, tmp_path) + " --total_episodes 16"
+    flags = "--lora_target_modules dense_h_to_4h dense_4h_to_h --lora_modules_to_save embed_out --use_rslora --use_dora"
+    check_ok(run(f"rloo.py {args} {flags} --output_dir {tmp_path / 'set'}", tmp_path))
+    check_ok(run(f"rloo.py {args} --lora_target_modules all-linear --output_dir {tmp_path / 'all'}", tmp_path))
+    with open(tmp_path / "set" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert sorted(config["target_modules"]) == ["dense_4h_to_h", "dense_h_to_4h"]
+    assert config["modules_to_save"] == ["embed_out"] and config["use_rslora"] is True and config["use_dora"] is True
+    with open(tmp_path / "all" / "adapter_config.json") as f:  # every linear layer but the output layer
+        names = {name.split(".")[-1] for name in json.load(f)["target_modules"]}
+    assert names == {"dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"}
+    for flags, line in [
+        ("--lora_target_modules nope", "error: --use_peft: Target modules {'nope'} not found in the base model."),
+        ("--lora_dropout 0.05", "error: --lora_dropout must be 0: the scripts run no dropout (docs/flags.md), got 0.05"),
+    ]:
+        proc = run(f"rloo.py {args} {flags} --output_dir {tmp_path / 'no'}", tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(line) and not os.path.exists(tmp_path / "no")
 
 
 def test_ppo_lora_keeps_a_full_critic(run, tmp_path, tiny_model_dir, tiny_prompts_file):
