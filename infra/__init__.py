@@ -26,6 +26,7 @@ vLLM); what they do not give is here: a checkpoint is complete or absent, a resu
 checkpoint, a resume that would change the run is refused. Below: the surface the scripts use.
 """
 
+from .argv import trl_argv
 from .data import teacher_view
 from .decode import generate
 from .flags import (
@@ -38,7 +39,6 @@ from .flags import (
     at_least,
     json_object,
     router_coef,
-    trl_argv,
 )
 from .models import load_policy, load_policy_and_critic, prepare
 from .offline import (

@@ -8,8 +8,6 @@ import inspect
 import json
 import math
 import os
-import sys
-import typing
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, Optional
 
@@ -30,32 +28,6 @@ def at_least(args, bound, *names, strict=False, at_most=None):
         if value is not None and (value < bound or strict and value == bound or at_most is not None and value > at_most):
             within = f"in [{bound}, {at_most}]" if at_most is not None else f"{'above' if strict else 'at least'} {bound}"
             die(f"--{name} must be {within}, got {value}")
-
-
-BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True, "false": False, "f": False, "no": False, "n": False,
-            "0": False}  # fmt: skip
-
-
-def trl_argv(cls, argv=None):
-    """The command line (sys.argv's) with TRL's boolean values (HfArgumentParser's: true/false, yes/no, 1/0, any case):
-    of cls's switches, `--packing True` or `--bf16=false` as tyro's `--packing` and `--no_bf16`; of a field that takes
-    a bool among other values (Optional[bool]), `--completion_only_loss false` as tyro's `False`"""
-    hints = typing.get_type_hints(cls)
-    switches = {field.name for field in dataclasses.fields(cls) if hints.get(field.name) is bool}
-    valued = {name for name, hint in hints.items() if name not in switches and bool in typing.get_args(hint)}
-    argv, out = list(sys.argv[1:] if argv is None else argv), []
-    while argv:
-        arg = argv.pop(0)
-        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        name = name.replace("-", "_")  # (both parsers take --use-peft too)
-        if name in switches | valued and not eq and argv and argv[0].lower() in BOOLEANS:
-            value = argv.pop(0)
-        if name in switches and value.lower() in BOOLEANS:
-            arg = f"--{'' if BOOLEANS[value.lower()] else 'no_'}{name}"
-        elif name in valued and value.lower() in BOOLEANS:
-            arg = f"--{name}={BOOLEANS[value.lower()]}"
-        out.append(arg)
-    return out
 
 
 def json_object(args, name):

@@ -45,8 +45,10 @@ def launcher_flags():
 
 def test_every_flag_the_docs_give_exists():
     """A command's flags (`python X.py --flag`) are X's, the launcher's before it (`accelerate launch --flag X.py`)
-    accelerate's; a flag a sentence names is one of some program's. docs/experiments.md's commands run a script with
-    the experiment's diff applied: the fields its diff adds count too."""
+    accelerate's; a flag a sentence names is one of some program's (or TRL's that infra/argv.py reads).
+    docs/experiments.md's commands run a script with the experiment's diff applied: the fields its diff adds count too."""
+    from infra import argv
+
     programs, everything, wrong = {}, set(launcher_flags()) | {"no-deps"}, []
     with open(os.path.join(REPO, "docs", "experiments.md")) as f:
         added = set(re.findall(r"^\+\s+(\w+): \w", f.read(), re.M))
@@ -62,6 +64,7 @@ def test_every_flag_the_docs_give_exists():
     for program in SCRIPTS:
         programs.setdefault(program, flags_of(program))
     everything |= set().union(*programs.values()) | added
+    everything |= set(argv.RENAMED) | set(argv.MODEL_KWARGS) | set(argv.ELSEWHERE)  # (TRL's, which the scripts read)
     for doc in DOCS:
         wrong += [(doc, "any program", f) for f in FLAG.findall(text(doc)) if f not in everything]
     assert not wrong, wrong

@@ -74,3 +74,40 @@ def test_trls_values_of_a_switch_set_it_as_tyros_switches_do(run, tmp_path):
     assert args.scale_rewards is False and args.shuffle_dataset is False  # (grpo.py's main makes False none)
     proc = run("grpo.py --shuffle_dataset False --num_generations 1", cwd=tmp_path)
     assert proc.stderr.strip().splitlines()[-1] == "error: --num_generations must be at least 2, got 1"
+
+
+def test_trls_names_run_as_ours_and_a_flag_a_script_lacks_is_one_line(run, tmp_path):
+    """infra/argv.py: TRL's names of our flags (--run_name, --dataset_train_split, ...) parse as ours, its model flags
+    join --model_init_kwargs (whose own keys win), --report_to wandb is --track, and values that say what the scripts
+    do anyway are left out; any other flag a script lacks stops it in one line naming what does its work, nothing run"""
+    import json
+
+    import tyro
+
+    import infra
+    import rloo
+    import sft
+
+    def parsed(module, argv):
+        return tyro.cli(module.Args, args=infra.trl_argv(module.Args, argv), use_underscores=True)
+
+    argv = ["--run_name", "x", "--dataset_train_split=dev", "--save_total_limit", "3", "--per_device_eval_batch_size", "5"]
+    argv += ["--report_to", "wandb", "--vllm_mode", "colocate", "--disable_dropout", "--fp16", "false", "--dtype", "bfloat16"]
+    argv += ["--model_init_kwargs", '{"revision": "main", "dtype": "float32"}', "--attn_implementation=eager"]
+    args = parsed(rloo, argv)
+    assert (args.exp_name, args.dataset_split, args.keep_checkpoints, args.eval_batch_size) == ("x", "dev", 3, 5)
+    assert args.track is True
+    assert json.loads(args.model_init_kwargs) == {"dtype": "float32", "attn_implementation": "eager", "revision": "main"}
+    args = parsed(sft, ["--report_to", "none", "--torch_dtype", "bfloat16", "--disable_dropout", "True"])
+    assert args.track is False and json.loads(args.model_init_kwargs) == {"dtype": "bfloat16"}
+    assert parsed(sft, ["--num_train_epochs", "2"]).num_train_epochs == 2  # (sft.py's own flag)
+
+    proc = run(f"rloo.py --max_steps 3 --logging_steps 1 --disable_dropout false --output_dir {tmp_path / 'out'}", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown flags --max_steps (TRL's; here --total_episodes: the completions (or examples) in all, updates"
+        " times the batch); --logging_steps (TRL's; here every update is logged); --disable_dropout (TRL's; here no"
+        " dropout is ever run): --help lists the script's flags"
+    ]
+    proc = run("sft.py --no_such_flag 1", tmp_path)
+    assert proc.stderr.strip().splitlines() == ["error: unknown flag --no_such_flag: --help lists the script's flags"]

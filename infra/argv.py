@@ -1,0 +1,102 @@
+"""TRL's command lines as the scripts' parser (tyro) takes them: HfArgumentParser's boolean values, the flags of TRL
+(and of transformers' TrainingArguments) that the scripts hold under another name, and, for any flag a script does not
+have, one line naming it and, where the scripts do its work another way, the flag that does.
+"""
+
+import dataclasses
+import json
+import sys
+import typing
+
+from utils import die
+
+BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True, "false": False, "f": False, "no": False, "n": False,
+            "0": False}  # fmt: skip
+
+# TRL's name -> ours, the same meaning
+RENAMED = {
+    "run_name": "exp_name",
+    "dataset_train_split": "dataset_split",
+    "save_total_limit": "keep_checkpoints",
+    "per_device_eval_batch_size": "eval_batch_size",
+}
+# TRL's model flags (its ModelConfig) -> a keyword of from_pretrained, which --model_init_kwargs holds
+MODEL_KWARGS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
+                "model_revision": "revision"}  # fmt: skip
+# flags of TRL's whose work the scripts do another way: what to use instead
+ELSEWHERE = {
+    "max_steps": "--total_episodes: the completions (or examples) in all, updates times the batch",
+    "num_train_epochs": "--total_episodes: the completions in all",
+    "logging_steps": "every update is logged",
+    "logging_strategy": "every update is logged",
+    "save_steps": "--checkpoint_every, in updates",
+    "save_strategy": "--checkpoint_every, in updates",
+    "eval_steps": "--eval_every, in episodes (examples)",
+    "eval_strategy": "--eval_dataset_name and --eval_every",
+    "resume_from_checkpoint": "--resume, from the newest checkpoint in --output_dir",
+    "dataset_test_split": "--eval_dataset_name (the same dataset) and --eval_split",
+    "lr_scheduler_kwargs": "--min_lr_rate",
+    "gradient_checkpointing_kwargs": "--gradient_checkpointing runs non-reentrant",
+    "fp16": "--bf16",
+    "vllm_mode": "--use_vllm, in the training process (TRL's colocate mode)",
+    "disable_dropout": "no dropout is ever run",
+    "report_to": "--track for wandb; TensorBoard is always written",
+}
+# TRL's values (a flag alone: the empty set) that say what the scripts always do, left out
+ALWAYS = {
+    "vllm_mode": [{"colocate"}],
+    "disable_dropout": [set()] + [{word} for word, on in BOOLEANS.items() if on],
+    "fp16": [{word} for word, on in BOOLEANS.items() if not on],
+}
+
+
+def trl_argv(cls, argv=None):
+    """The command line (sys.argv's) as tyro parses cls: TRL's boolean values (HfArgumentParser's: true/false, yes/no,
+    1/0, any case): of cls's switches, `--packing True` or `--bf16=false` as tyro's `--packing` and `--no_bf16`; of a
+    field that takes a bool among other values (Optional[bool]), `--completion_only_loss false` as tyro's `False`.
+    TRL's names: RENAMED's as ours, MODEL_KWARGS' into --model_init_kwargs, --report_to wandb as --track, and TRL's
+    values that say what the scripts always do (ALWAYS, --report_to none) left out.
+    A flag cls lacks stops the run in one line, with what to use instead where the scripts do its work (ELSEWHERE)."""
+    hints = typing.get_type_hints(cls)
+    fields = {field.name for field in dataclasses.fields(cls)}
+    switches = {name for name in fields if hints.get(name) is bool}
+    valued = {name for name, hint in hints.items() if name not in switches and bool in typing.get_args(hint)}
+    known = fields | {f"no_{name}" for name in switches} | {"help"}
+    argv, out, kwargs, unknown = list(sys.argv[1:] if argv is None else argv), [], {}, []
+    while argv:
+        arg = argv.pop(0)
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")  # (both parsers take --use-peft too)
+        if name in RENAMED and name not in fields and RENAMED[name] in fields:
+            name, arg = RENAMED[name], f"--{RENAMED[name]}" + (f"={value}" if eq else "")
+        if name in switches | valued and not eq and argv and argv[0].lower() in BOOLEANS:
+            value = argv.pop(0)
+        if name in switches and value.lower() in BOOLEANS:
+            arg = f"--{'' if BOOLEANS[value.lower()] else 'no_'}{name}"
+        elif name in valued and value.lower() in BOOLEANS:
+            arg = f"--{name}={BOOLEANS[value.lower()]}"
+        elif name and name not in known:  # (its values: after its `=`, or the words up to the next flag)
+            taken = [value] if eq else []
+            while not eq and argv and not argv[0].startswith("--"):
+                taken.append(argv.pop(0))
+            said = {v.lower() for v in taken}
+            if name in MODEL_KWARGS and "model_init_kwargs" in fields and len(taken) == 1:
+                kwargs[MODEL_KWARGS[name]] = taken[0]
+            elif name == "report_to" and "track" in fields and said <= {"wandb", "all", "none", "tensorboard"}:
+                out += ["--track"] if said & {"wandb", "all"} else []
+            elif said not in ALWAYS.get(name, []):
+                unknown.append(f"--{name}" + (f" (TRL's; here {ELSEWHERE[name]})" if name in ELSEWHERE else ""))
+            continue
+        out.append(arg)
+    if unknown:
+        die(f"unknown flag{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}: --help lists the script's flags")
+    if kwargs:  # (TRL's model flags beside --model_init_kwargs' own keywords, which win)
+        at = [i for i, a in enumerate(out) if a.partition("=")[0] == "--model_init_kwargs"]
+        text = (out[at[-1]].partition("=")[2] or out[at[-1] + 1 : at[-1] + 2] or ["{}"])[0] if at else "{}"
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            die(f"--model_init_kwargs must be a JSON object ('{{\"name\": value, ...}}'): {e}")
+        out = [a for i, a in enumerate(out) if not any(i == j or i == j + 1 and "=" not in out[j] for j in at)]
+        out += ["--model_init_kwargs", json.dumps(kwargs | given)]
+    return out
