@@ -225,15 +225,25 @@ def write_model_card(args, script, algorithm, doc, base_model, sources):
         f.write("\n".join(lines))
 
 
+def create_repo(repo_id, private):
+    """--push_to_hub's repo, created if missing as the run starts (as transformers' Trainer does), so that no token, no
+    network or no write access stops the run in one line before any work rather than after it"""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    except Exception as e:  # no network, no token, no write access, ...
+        die(f"--push_to_hub cannot create {repo_id!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+
+
 def push_to_hub(output_dir, repo_id, private):
     """Upload output_dir (the model, tokenizer, card, args.json, metrics.jsonl, ...; not HUB_IGNORE's run state) to the
-    hub model repo repo_id, creating it if needed. Main process only, at the very end; a failure is one line, the model
+    hub model repo repo_id (create_repo made it). Main process only, at the very end; a failure is one line, the model
     staying saved in output_dir."""
     from huggingface_hub import HfApi
 
     api = HfApi()
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(
             repo_id=repo_id,
             folder_path=output_dir,
@@ -279,6 +289,8 @@ def open_output_dir(args):
         changed = [key for key in now if key not in RESUMABLE and key in saved and saved[key] != now[key]]
         if changed:
             die(f"--resume with arguments that change the run: {', '.join(f'{k} {saved[k]} -> {now[k]}' for k in changed)}")
+    if getattr(args, "push_to_hub", False):  # (every process: each stops alike where it cannot)
+        create_repo(args.hub_model_id, args.hub_private)
     return run_name
 
 

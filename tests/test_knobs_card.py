@@ -23,7 +23,9 @@ calls = []
 def recorder(name):
     def method(self, *args, **kwargs):
         folder = kwargs.get("folder_path")
-        calls.append({"method": name, "args": list(args), "kwargs": kwargs, "files": sorted(
+        out = sys.argv[sys.argv.index("--output_dir") + 1]  # (what the run had written by then)
+        seen = sorted(os.listdir(out)) if os.path.isdir(out) else []
+        calls.append({"method": name, "args": list(args), "kwargs": kwargs, "seen": seen, "files": sorted(
             os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs) if folder else None})
     return method
 huggingface_hub.HfApi.create_repo = recorder("create_repo")
@@ -67,8 +69,9 @@ def main_metrics(row):
 
 def test_rloo_card_and_upload(tmp_path, tiny_model_dir, tiny_reward_model_dir, tiny_prompts_file):
     """One tiny run with three reward sources and --push_to_hub: the card names each source with its weight, lists the
-    last metrics row, every argument and the command; transformers loads the folder; the upload gets that folder and
-    repo id and leaves the checkpoints and run state out."""
+    last metrics row, every argument and the command; transformers loads the folder; the repo is created before the run
+    trains (as transformers' Trainer creates it); the upload gets that folder and repo id and leaves the checkpoints and
+    run state out."""
     (tmp_path / "reward.py").write_text(VOWELS)
     (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "out"
@@ -111,6 +114,7 @@ def test_rloo_card_and_upload(tmp_path, tiny_model_dir, tiny_reward_model_dir, t
     create, upload = json.loads(proc.stdout.split("HUB ")[-1])
     assert create["method"] == "create_repo" and create["args"] == ["me/tiny-rloo"]
     assert create["kwargs"] == {"private": False, "exist_ok": True, "repo_type": "model"}
+    assert "metrics.jsonl" not in create["seen"] and "metrics.jsonl" in upload["seen"]  # (created before any work)
     assert upload["method"] == "upload_folder"
     assert upload["kwargs"]["repo_id"] == "me/tiny-rloo" and upload["kwargs"]["folder_path"] == str(out)
     # what the upload sends of the folder as it was then: huggingface_hub's own filter with the patterns passed
@@ -248,3 +252,14 @@ def test_every_script_checks_the_hub_flags_before_loading(tmp_path):
     exits = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("EXIT ")]
     assert exits == ["error: --push_to_hub needs --hub_model_id, the repo to upload to (e.g. your-name/rloo-smollm2)"] * 6
     assert not any(os.path.exists(tmp_path / script) for script in ["rloo.py", "ppo.py", "grpo.py"])
+
+
+def test_a_hub_repo_that_cannot_be_created_stops_the_run_before_it_trains(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """--push_to_hub creates its repo as the run starts (transformers' Trainer does): offline, as here, that fails,
+    and the run stops in one line with nothing written (not after training, at the upload)"""
+    out = tmp_path / "out"
+    flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --total_episodes 16"
+    proc = run(f"rloo.py {flags} --push_to_hub --hub_model_id me/tiny --output_dir {out}", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --push_to_hub cannot create 'me/tiny': ")
+    assert not out.exists()
