@@ -69,12 +69,11 @@ def found(flag, name):
         rest = os.path.join(REPO, where) + rest[len(where) :]
         return rest if key is None else f"{key}={rest}"
     near = [p for p in sorted(glob.glob(glob.escape(where) + ".*")) if p.endswith(FILE_TYPES)][:1]
+    hint = "".join(f" (did you mean {p!r}?)" for p in near)
     if spec:
-        die(f"--{flag} {name!r}: the file {where!r} does not exist" + "".join(f" (did you mean {p!r}?)" for p in near))
+        die(f"--{flag} {name!r}: the file {where!r} does not exist{hint}")
     if flag == "chat_template" or looks_local(name) or near:  # (a local file of that name and a type: that was meant)
-        die(
-            f"--{flag} {name!r} does not exist (a local path, not a hub id)" + "".join(f" (did you mean {p!r}?)" for p in near)
-        )
+        die(f"--{flag} {name!r} does not exist (a local path, not a hub id){hint}")
     return name
 
 
@@ -95,9 +94,8 @@ def read_dataset(dataset_name, split):
         die(f"dataset path {dataset_name!r} does not exist (a local path, not a hub id)")
     try:
         if os.path.isfile(dataset_name):
-            builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(
-                os.path.splitext(dataset_name)[1]
-            )
+            builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+            builder = builders.get(os.path.splitext(dataset_name)[1])
             if builder is None:
                 die(f"dataset file {dataset_name!r} is not .jsonl, .json, .parquet or .csv")
             if os.path.getsize(dataset_name) == 0:
@@ -193,8 +191,11 @@ def load_prompts(
             texts.append(text)
             refs.append(ref.strip() if ref is not None else None)
             kept.append(row)
+    dropped = f"empty or longer than --max_prompt_length {max_prompt_length} tokens"
     if not queries:
-        die(f"every prompt in {dataset_name!r} is empty or longer than --max_prompt_length {max_prompt_length} tokens")
+        die(f"every prompt in {dataset_name!r} is {dropped}")
+    if len(kept) < len(ds):  # (said: TRL 1.16's RL trainers keep every prompt whole)
+        note(f"{len(ds) - len(kept)} of the {len(ds)} prompts in {dataset_name!r} (split {split!r}) are {dropped}: left out")
     columns = {name: [ds[name][row] for row in kept] for name in ds.column_names if name != prompt_field}
     return queries, texts, refs, columns
 
@@ -307,10 +308,8 @@ def load_ptx(args, tokenizer):
     max_prompt_length + response_length); texts under two tokens are dropped."""
     ds = read_dataset(args.ptx_dataset, args.ptx_split)
     if args.ptx_text_field not in ds.column_names:
-        die(
-            f"dataset {args.ptx_dataset!r} (split {args.ptx_split!r}) has no column {args.ptx_text_field!r} "
-            f"(columns: {ds.column_names}); set --ptx_text_field"
-        )
+        where = f"dataset {args.ptx_dataset!r} (split {args.ptx_split!r})"
+        die(f"{where} has no column {args.ptx_text_field!r} (columns: {ds.column_names}); set --ptx_text_field")
     max_length = args.ptx_max_length or args.max_prompt_length + args.response_length
     texts = []
     for value in ds[args.ptx_text_field]:

@@ -251,7 +251,7 @@ class DataArgs(ScoreArgs):
     prompt_field: str = "prompt"
     """the column holding prompts: strings, or chat messages rendered with the tokenizer's chat template"""
     max_prompt_length: int = 128
-    """prompts longer than this many tokens are dropped"""
+    """prompts longer than this many tokens are left out, their count said in a note (TRL 1.16 keeps every prompt)"""
     chat_template: Optional[str] = None
     """a Jinja chat template file that replaces the tokenizer's (and is saved with the model)"""
     chat_template_kwargs: Optional[str] = None

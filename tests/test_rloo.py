@@ -167,6 +167,23 @@ def test_reward_model_with_same_and_other_tokenizer(run, tmp_path, tiny_model_di
     assert all(math.isfinite(r["objective/scores"]) for r in read_metrics(tmp_path / "b"))
 
 
+def test_prompts_left_out_for_their_length_are_counted_in_a_note(tmp_path, tiny_model_dir, capsys):
+    """A prompt that is empty or over --max_prompt_length is left out, and the count said in a note (TRL 1.16's RL
+    trainers keep every prompt whole: a silent drop would shrink the data unseen)"""
+    from transformers import AutoTokenizer
+
+    from infra.data import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "hello there"}, {"prompt": "word " * 200}, {"prompt": ""}, {"prompt": "fine"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    queries, texts, _, _ = load_prompts(str(path), "train", "prompt", tokenizer, max_prompt_length=16)
+    assert texts == ["hello there", "fine"] and len(queries) == 2
+    why = "are empty or longer than --max_prompt_length 16 tokens: left out"
+    assert capsys.readouterr().out == f"note: 2 of the 4 prompts in {str(path)!r} (split 'train') {why}\n"
+
+
 BAD_REWARDS = {
     "short": "def f(prompts, completions):\n    return [1.0]\n",
     "nan": "def f(prompts, completions):\n    return [float('nan')] * len(completions)\n",
