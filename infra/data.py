@@ -2,8 +2,7 @@
 reading a dataset (a file that does not parse named by its line), rendering prompts (chat templates, tools' schemas)
 and dataset completions, the prompts' draw and its noise (Shuffled, draw_prompts), the held-out set, the PTX texts,
 and the helpers that pad, cut and gather a batch's rows (and distill.py's teacher_view: a batch with another column's
-prompts).
-"""
+prompts)."""
 
 import dataclasses
 import glob
@@ -17,6 +16,7 @@ from transformers.utils import cached_file, find_adapter_config_file
 from utils import INVALID_LOGPROB, die, logprobs_from_logits, pad_cat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {}  # a hub dataset's configuration by the dataset's name (TRL's --dataset_config), as the flags set it
 FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
 
 
@@ -102,9 +102,11 @@ def read_dataset(dataset_name, split):
                 die(f"dataset {dataset_name!r} is empty")
             ds = datasets.load_dataset(builder, data_files={split: dataset_name}, split=split)
         else:
-            ds = datasets.load_dataset(dataset_name, split=split)
+            ds = datasets.load_dataset(dataset_name, CONFIGS.get(dataset_name), split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        die(f"cannot load dataset {dataset_name!r} (split {split!r}): {str(e).strip().splitlines()[0]}")
+        why = str(e).strip().splitlines()
+        hint = f" {why[1]} (--dataset_config)" if "Config name is missing" in why[0] and len(why) > 1 else ""
+        die(f"cannot load dataset {dataset_name!r} (split {split!r}): {why[0]}{hint}")
     except datasets.exceptions.DatasetGenerationError as e:  # a file that does not parse: where, in one line
         cause = str(e.__cause__ or e).strip().splitlines()[0]
         die(f"cannot read dataset {dataset_name!r}: {malformed(dataset_name) or cause}")
@@ -124,7 +126,6 @@ def malformed(name):
             continue
         if error:
             return f"{path}, {error}"
-    return None
 
 
 def json_error(path):

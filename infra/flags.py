@@ -15,7 +15,7 @@ import tyro
 
 from utils import die, sampling_logits
 
-from .data import REPO, check_paths, note
+from .data import CONFIGS, REPO, check_paths, note
 
 PROMPTS = os.path.join(REPO, "data", "prompts.jsonl")
 
@@ -28,6 +28,15 @@ def at_least(args, bound, *names, strict=False, at_most=None):
         if value is not None and (value < bound or strict and value == bound or at_most is not None and value > at_most):
             within = f"in [{bound}, {at_most}]" if at_most is not None else f"{'above' if strict else 'at least'} {bound}"
             die(f"--{name} must be {within}, got {value}")
+
+
+def set_config(args):
+    """--dataset_config: the configuration of --dataset_name wherever it is read (read_dataset), as TRL's scripts load
+    the dataset once with it; a local file has none (one line)"""
+    if args.dataset_config is not None:
+        if os.path.isfile(args.dataset_name):
+            die(f"--dataset_config names a configuration of a hub dataset; {args.dataset_name!r} is a file")
+        CONFIGS[args.dataset_name] = args.dataset_config
 
 
 def json_object(args, name):
@@ -244,6 +253,8 @@ class DataArgs(ScoreArgs):
         PROMPTS
     )
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder"""
+    dataset_config: Optional[str] = None
+    """the configuration of a hub dataset that has several (TRL's), wherever --dataset_name is read (held out too)"""
     dataset_split: str = "train"
     """the dataset split to train on"""
     shuffle_dataset: bool = True
@@ -262,6 +273,7 @@ class DataArgs(ScoreArgs):
         at_least(self, 1, "max_prompt_length")
         json_object(self, "chat_template_kwargs"), json_object(self, "model_init_kwargs")
         check_paths(self, "model_name_or_path", "reward_model_path", "reward_fn", "dataset_name", "chat_template")
+        set_config(self)
         super().__post_init__()
 
     @property

@@ -184,6 +184,42 @@ def test_prompts_left_out_for_their_length_are_counted_in_a_note(tmp_path, tiny_
     assert capsys.readouterr().out == f"note: 2 of the 4 prompts in {str(path)!r} (split 'train') {why}\n"
 
 
+def test_dataset_config_picks_a_configuration_wherever_the_dataset_is_read(tmp_path):
+    """--dataset_config (TRL's): a dataset of several configurations is read in the one named, for training and held
+    out alike; without it, one line naming the choices and the flag; on a file, one line"""
+    import tyro
+
+    import infra
+    import rloo
+    from infra import data
+
+    folder = tmp_path / "multi"
+    for name in ("en", "fr"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "train.jsonl").write_text(json.dumps({"prompt": f"a prompt in {name}"}) + "\n")
+    config = "- config_name: {0}\n  data_files:\n  - split: train\n    path: {0}/train.jsonl\n"
+    configs = "".join(config.format(name) for name in ("en", "fr"))
+    (folder / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+
+    def parsed(argv):
+        return tyro.cli(rloo.Args, args=infra.trl_argv(rloo.Args, argv), use_underscores=True)
+
+    data.CONFIGS.clear()
+    with pytest.raises(SystemExit) as stop:
+        data.read_dataset(str(folder), "train")
+    assert stop.value.line == (
+        f"error: cannot load dataset {str(folder)!r} (split 'train'): Config name is missing. Please pick one among the"
+        " available configs: ['en', 'fr'] (--dataset_config)"
+    )
+    parsed(["--dataset_name", str(folder), "--dataset_config", "fr"])
+    assert data.read_dataset(str(folder), "train")["prompt"] == ["a prompt in fr"]
+    data.CONFIGS.clear()
+    file = str(folder / "fr" / "train.jsonl")
+    with pytest.raises(SystemExit) as stop:
+        parsed(["--dataset_name", file, "--dataset_config", "fr"])
+    assert stop.value.line == f"error: --dataset_config names a configuration of a hub dataset; {file!r} is a file"
+
+
 BAD_REWARDS = {
     "short": "def f(prompts, completions):\n    return [1.0]\n",
     "nan": "def f(prompts, completions):\n    return [float('nan')] * len(completions)\n",
