@@ -15,6 +15,8 @@ from transformers.utils import cached_file, find_adapter_config_file
 
 from utils import INVALID_LOGPROB, die, logprobs_from_logits, pad_cat
 
+from .render import is_chat, template_ids
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {}  # a hub dataset's configuration by the dataset's name (TRL's --dataset_config), as the flags set it
 FILE_TYPES = (".jsonl", ".json", ".parquet", ".csv", ".gguf", ".safetensors", ".bin", ".jinja", ".py")
@@ -180,7 +182,7 @@ def load_prompts(
         tools = env.schemas(kind) if kind is not None else None
         if tools and not isinstance(value, list):
             die(f"{kind['name']}'s tools reach the model through the chat template: the prompts must be chat messages")
-        ids, text = prompt_ids(tokenizer, value, prompt_field, tools, where=f" of {dataset_name!r}, row {row},")
+        ids, text = prompt_ids(tokenizer, value, prompt_field, tools, f"dataset {dataset_name!r} (split {split!r}), row {row}")
         if reference_field and not isinstance(ref, str):
             die(f"column {reference_field!r} must hold strings, got {type(ref).__name__}")
         if long_prompts == "truncate":
@@ -201,17 +203,15 @@ def load_prompts(
     return queries, texts, refs, columns
 
 
-def prompt_ids(tokenizer, value, field, tools=None, where=""):
+def prompt_ids(tokenizer, value, field, tools=None, where="a row"):
     """A prompt's (token ids, text): chat messages through the tokenizer's chat template with the generation prompt
     (and the tools' schemas; the text: the last message's), a string tokenized as it is. where: the row, for errors."""
-    if isinstance(value, list):
-        if tokenizer.chat_template is None:
-            die(f"column {field!r} holds chat messages but the tokenizer has no chat template: give one with --chat_template")
-        ids = tokenizer.apply_chat_template(value, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return ids, value[-1]["content"]
+    if is_chat(value):  # (no chat template: template_ids says so)
+        ids = template_ids(tokenizer, value, tools, add_generation_prompt=True, where=where)
+        return ids, value[-1].get("content", "") if value else ""
     if isinstance(value, str):
         return tokenizer(value, add_special_tokens=False)["input_ids"], value
-    die(f"column {field!r}{where} must hold strings or chat messages, got {type(value).__name__}")
+    die(f"{where}: `{field}` must be a string or chat messages, got {type(value).__name__}")
 
 
 def completion_ids(tokenizer, value, field, stop_token_id):

@@ -19,6 +19,7 @@ from utils import PolicyAndValue, die, init_value_head
 from . import onednn
 from .data import is_adapters, looks_local, note, optional_file
 from .flags import json_object
+from .render import check_template
 
 # peft reads a property transformers deprecated, on every LoRA run: nothing a user of the scripts can change
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -59,7 +60,7 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
         return base if auto_cls is AutoConfig else peft.from_pretrained(base, path).merge_and_unload().requires_grad_(True)
     try:
         obj = auto_cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError, TypeError, SafetensorError) as e:  # (TypeError: a keyword the model does not take)
+    except (OSError, ValueError, TypeError, ImportError, SafetensorError) as e:  # (a keyword unknown, or its package missing)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
     model = onednn.route(obj[0] if isinstance(obj, tuple) else obj)  # (output_loading_info: the model, its report)
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
@@ -167,6 +168,7 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=None, template_k
         if not os.path.isfile(chat_template):
             die(f"--chat_template file {chat_template!r} does not exist")
         tokenizer.chat_template = open(chat_template).read()
+        check_template(tokenizer, chat_template)  # (a syntax error: one line now, not at the first row rendered)
     if template_kwargs:  # (this tokenizer object's renderings only: not saved)
         tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **template_kwargs)
     return tokenizer
@@ -358,7 +360,7 @@ def float32_head(model, args):
 
 
 def trainable(policy, args, gradient_checkpointing=True, modules_to_save=None):
-    """The policy as it trains: with --use_peft its LoRA adapters on every linear layer, in eval mode (no dropout: the
+    """The policy as it trains: with --use_peft its LoRA adapters (--lora_target_modules), in eval mode (no dropout: the
     sampling policy and the one being trained must be the same function), with --gradient_checkpointing checkpointed
     (transformers checkpoints only in train mode, so the update runs in train mode with every dropout at zero);
     modules_to_save: the modules LoRA trains whole (a new score head)."""
@@ -368,10 +370,10 @@ def trainable(policy, args, gradient_checkpointing=True, modules_to_save=None):
             from peft import LoraConfig, get_peft_model
         except ImportError:
             die("--use_peft needs the peft package: pip install peft")
-        config = LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_alpha, target_modules="all-linear", modules_to_save=modules_to_save
-        )
-        policy = get_peft_model(policy, config)
+        try:
+            policy = get_peft_model(policy, LoraConfig(**args.lora_config(modules_to_save)))
+        except ValueError as e:  # (no default for the family, a module the model lacks)
+            die(f"--use_peft: {str(e).strip().splitlines()[0]}")
     policy.eval()
     if gradient_checkpointing and args.gradient_checkpointing:
         disable_dropout(policy)

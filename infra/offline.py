@@ -18,7 +18,17 @@ from .data import Shuffled, check_paths, note, read_dataset
 from .flags import json_object
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
 from .packing import cut
-from .render import assistant_mask, empty, implicit_prompt, is_chat, render, template_ids, tools_of, with_eos
+from .render import (
+    assistant_mask,
+    check_row,
+    empty,
+    implicit_prompt,
+    is_chat,
+    render,
+    template_ids,
+    tools_of,
+    with_eos,
+)
 from .run_flags import TrainArgs
 
 
@@ -101,16 +111,17 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
         die("--completion_only_loss needs a `prompt` and a `completion` column")
     rows = []
     for i, row in enumerate(ds):
-        tools = tools_of(row)
+        tools, at = tools_of(row), f"{where}, row {i}"
         if kind == "messages":
             if not is_chat(row["messages"]) or not any(m["role"] == "assistant" for m in row["messages"]):
-                die(f"{where}, row {i}: `messages` must be chat messages with an assistant message")
-            ids = template_ids(tokenizer, row["messages"], tools)
-            mask = assistant_mask(tokenizer, row["messages"], tools, ids) if assistant_only_loss else [True] * len(ids)
+                die(f"{at}: `messages` must be chat messages with an assistant message")
+            ids = template_ids(tokenizer, row["messages"], tools, where=at)
+            mask = assistant_mask(tokenizer, row["messages"], tools, ids, at) if assistant_only_loss else [True] * len(ids)
         elif kind == "prompt-completion":
+            check_row(row, ("prompt", "completion"), at)
             if empty(row["completion"]):
-                die(f"{where}, row {i}: {blank(row['completion'], 'completion')}")
-            head, tail = render(tokenizer, row["prompt"], row["completion"], tools)
+                die(f"{at}: {blank(row['completion'], 'completion')}")
+            head, tail = render(tokenizer, row["prompt"], row["completion"], tools, at)
             ids = head + tail
             mask = [completion_only_loss is False] * len(head) + [True] * len(tail)  # (None: the completion's)
         else:
@@ -125,14 +136,19 @@ def sft_rows(tokenizer, ds, where, max_length, completion_only_loss, assistant_o
 def pair_rows(tokenizer, ds, where, max_length, truncate):
     """Preference pairs, {"prompt", "chosen", "rejected" (token ids), "margin"}: TRL's `chosen` and `rejected` columns
     with an explicit `prompt` column or an implicit one (what the two share at the start), strings or chat messages,
-    and an optional `margin` column (0 without one). Over max_length tokens: with truncate the completions are cut
-    (TRL's DPO), and a pair whose prompt alone fills max_length dropped; without, the pair is dropped (TRL's reward).
-    A missing column, an empty completion, or chosen identical to rejected stops the run with one line."""
+    and an optional `margin` column (a finite number in each row; 0 without one). Over max_length tokens: with truncate
+    the completions are cut (TRL's DPO), and a pair whose prompt alone fills max_length dropped; without, the pair is
+    dropped (TRL's reward). A missing column, an empty completion, or chosen identical to rejected stops the run with
+    one line."""
     for column in ("chosen", "rejected"):
         if column not in ds.column_names:
             die(f"{where} has no column {column!r} (columns: {ds.column_names}): a preference pair needs chosen and rejected")
     rows, dropped = [], 0
     for i, row in enumerate(ds):
+        at = f"{where}, row {i}"
+        check_row(row, ("prompt", "chosen", "rejected"), at)
+        if "margin" in row and not finite_number(row["margin"]):  # (TRL's collator fails on a missing one)
+            die(f"{at}: `margin` must be a finite number, got {row['margin']!r}")
         chosen, rejected = row["chosen"], row["rejected"]
         if "prompt" in row:
             prompt = row["prompt"]
@@ -140,24 +156,23 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
             prompt, chosen, rejected = implicit_prompt(chosen, rejected)
         if empty(chosen) or empty(rejected):
             which = blank(chosen, "chosen completion") if empty(chosen) else blank(rejected, "rejected completion")
-            die(f"{where}, row {i}: {which}")
+            die(f"{at}: {which}")
         if chosen == rejected:
-            die(f"{where}, row {i}: chosen is identical to rejected")
+            die(f"{at}: chosen is identical to rejected")
         tools = tools_of(row)
-        head, chosen_ids = render(tokenizer, prompt, chosen, tools)
-        head_r, rejected_ids = render(tokenizer, prompt, rejected, tools)
+        head, chosen_ids = render(tokenizer, prompt, chosen, tools, at)
+        head_r, rejected_ids = render(tokenizer, prompt, rejected, tools, at)
         n = min(len(head), len(head_r))  # (the prompt they share)
         chosen_ids, rejected_ids, head = head[n:] + chosen_ids, head_r[n:] + rejected_ids, head[:n]
         if chosen_ids == rejected_ids:
-            die(f"{where}, row {i}: chosen and rejected are the same tokens")
+            die(f"{at}: chosen and rejected are the same tokens")
         if max_length is not None and len(head) + max(len(chosen_ids), len(rejected_ids)) > max_length:
             if not truncate or len(head) >= max_length:
                 dropped += 1
                 continue
             chosen_ids, rejected_ids = chosen_ids[: max_length - len(head)], rejected_ids[: max_length - len(head)]
-        if not isinstance(margin := row.get("margin") or 0.0, (int, float)):
-            die(f"{where}, row {i}: `margin` must be a number, got {margin!r}")
-        rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": float(margin), "row": i})
+        margin = float(row.get("margin", 0.0))
+        rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": margin, "row": i})
     if dropped:
         note(f"{dropped} of {len(ds)} pairs in {where} are longer than --max_length {max_length} tokens: left out")
     if not rows:
@@ -174,11 +189,14 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
     the previous row's in blocks of `block` rows in the dataset's order, the first row taking its block's last. scored:
     reward-labelled completions instead (`prompt`, `completion`, a number `reward`: ilql.py's), each with its reward."""
     columns = ds.column_names
+    paired = not scored and {"chosen", "rejected"} <= set(columns)
+    for j, r in enumerate(ds):  # (before implicit_prompt reads a pair)
+        check_row(r, ("prompt", "chosen", "rejected") if paired else ("prompt", "completion"), f"{where}, row {j}")
     if scored:
         if not {"prompt", "completion", "reward"} <= set(columns):
             die(f"{where} needs `prompt`, `completion` and `reward` columns; it has {columns}")
         texts = [(r["prompt"], r["completion"], r["reward"], tools_of(r), j, "completion") for j, r in enumerate(ds)]
-    elif "chosen" in columns and "rejected" in columns:
+    elif paired:
         texts = []  # (prompt, completion, label, tools) as TRL's unpair_preference_dataset orders them
         for start in range(0, len(ds), 1000):
             chunk = [ds[i] for i in range(start, min(start + 1000, len(ds)))]
@@ -210,7 +228,7 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
             die(f"{where}, row {row}: `reward` must be a finite number, got {label!r}")
         if not scored and (isinstance(label, str) or label not in (True, False)):
             die(f"{where}, row {row}: `label` must be true or false, got {label!r}")
-        head, tail = render(tokenizer, prompt, completion, tools)
+        head, tail = render(tokenizer, prompt, completion, tools, f"{where}, row {row}")
         if max_length is None or len(head) < max_length:
             kind = {"reward": float(label), "label": True} if scored else {"label": bool(label)}
             rows.append({"prompt": head, "completion": tail, **kind, "row": i})
@@ -237,7 +255,7 @@ def blank(value, what):
 # read_examples' answer: the tokenizer, the training rows kept, the held-out ones (None without), whether they are
 # pairs or labelled completions (not sft's)
 def finite_number(value):
-    """whether a dataset's `reward` is a number: an int or a float (not a bool), finite"""
+    """whether a dataset's `reward` or `margin` is a number: an int or a float (not a bool), finite"""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -33,7 +33,7 @@ ALLOWED = {
     "entropy_coef_min": [0.0], "entropy_coef_max": [0.0], "entropy_coef_delta": [0.0], "entropy_target": [0.0],
     "router_aux_loss_coef": [0.0], "desirable_weight": [0.0], "undesirable_weight": [0.0], "ld_alpha": [0.0],
     "simpo_gamma": [0.0], "cpo_alpha": [0.0], "cql_scale": [0.0], "awac_scale": [0.0], "alpha": [0.0],
-    "gen_beta": [0.0],
+    "gen_beta": [0.0], "lora_dropout": [0.0],
 }  # fmt: skip
 ALLOWED_IN = {
     ("dpo.py", "beta"): [],
@@ -195,6 +195,108 @@ def test_a_malformed_dataset_file_is_one_line_naming_the_line(script, case, run,
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot read dataset '{path}': {path}, {message}"), last
     assert "DatasetGenerationError" not in proc.stderr and not out.exists()
+
+
+PAIR = {"prompt": "q", "chosen": " yes", "rejected": " no"}
+TURNS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+# a chat template that reads each message's content (the tiny tokenizer has none)
+TEMPLATE = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+NO_CONTENT = "the chat template cannot render it: 'dict object' has no attribute 'content'"
+
+
+@pytest.mark.parametrize(
+    "script, rows, message",
+    [
+        (
+            "dpo.py",
+            [{**PAIR, "chosen": 1}, {**PAIR, "chosen": 2}],
+            "row 0: `chosen` must be a string or chat messages, got int",
+        ),
+        (
+            "reward.py",
+            [PAIR, {**PAIR, "rejected": {"text": " no"}}],
+            "row 1: `rejected` must be a string or chat messages, got dict",
+        ),
+        (
+            "kto.py",
+            [{**PAIR, "chosen": 1}, {**PAIR, "chosen": 2}],
+            "row 0: `chosen` must be a string or chat messages, got int",
+        ),
+        (
+            "dpo.py",
+            [{**PAIR, "prompt": TURNS[:1]}, PAIR],
+            "row 0: `prompt` holds chat messages but `chosen` a string: a row's are all strings or all chat messages",
+        ),
+        ("dpo.py", [PAIR, PAIR, {"chosen": " y", "rejected": " n"}], "row 2: no prompt"),
+        ("sft.py", [{"prompt": "q", "completion": " a"}, {"completion": " b"}], "row 1: no prompt"),
+        (
+            "sft.py",
+            [{"messages": TURNS}, {"messages": [TURNS[0], {"role": "assistant", "content": None}]}],
+            f"row 1: {NO_CONTENT}",
+        ),
+        ("sft.py", [{"messages": TURNS}, {"messages": [{"role": "user"}, TURNS[1]]}], f"row 1: {NO_CONTENT}"),
+        (
+            "reward.py",
+            [{**PAIR, "margin": 1.0}, {**PAIR, "margin": None}],
+            "row 1: `margin` must be a finite number, got None",
+        ),
+        ("reward.py", [{**PAIR, "margin": 1.0}, PAIR], "row 1: `margin` must be a finite number, got None"),
+        ("rloo.py", [{"prompt": TURNS[:1]}, {"prompt": [{"role": "user"}]}], f"row 1: {NO_CONTENT}"),
+        ("rloo.py", [{"prompt": "q"}, {"prompt": 3}], "row 1: `prompt` must be a string or chat messages, got int"),
+        (
+            "rloo.py",
+            [{"prompt": TURNS[:1]}, {"prompt": []}],
+            "row 1: the chat template cannot render it: Cannot apply chat template to an empty conversation. Provide at"
+            " least one message.",
+        ),
+        (
+            "reward.py",
+            [{**PAIR, "margin": True}, {**PAIR, "margin": False}],
+            "row 0: `margin` must be a finite number, got True",
+        ),
+    ],
+)
+def test_a_bad_row_is_one_line_naming_it(script, rows, message, run, tmp_path, tiny_model_dir):
+    """A field neither a string nor chat messages, a row mixing the two, a row missing a field the others have, a
+    message the chat template cannot render, a `margin` that is not a finite number (missing in one row, a bool): one
+    line naming the file's row, status 2, before any model loads and with nothing written."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    out = tmp_path / "out"
+    flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {path} --chat_template {tmp_path / 'chat.jinja'}"
+    proc = run(f"{script} {flags} --output_dir {out}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: dataset '{path}' (split 'train'), {message}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "sft.py"])
+def test_a_chat_template_that_does_not_parse_is_one_line_as_it_loads(script, run, tmp_path, tiny_model_dir):
+    """Said as the file loads (naming it and where it fails), not at the first row rendered, whether or not one is."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }\n{% endfor %}")
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": TURNS[:1]} if script == "rloo.py" else {"messages": TURNS}) + "\n" * 8))
+    out = tmp_path / "out"
+    flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {path} --chat_template {template}"
+    proc = run(f"{script} {flags} --output_dir {out}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: --chat_template file '{template}', line 1: unexpected '}}'"
+    assert not out.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_a_model_option_whose_package_is_missing_is_one_line(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    out = tmp_path / "out"
+    flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --output_dir {out}"
+    proc = run(f"""rloo.py {flags} --model_init_kwargs '{{"attn_implementation": "flash_attention_2"}}'""", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot load '{tiny_model_dir}' with AutoModelForCausalLM: FlashAttention2 has been toggled on, but it "
+        "cannot be used due to the following error: the package for FlashAttention2 doesn't seem to be installed."
+    )
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(

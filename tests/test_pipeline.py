@@ -721,7 +721,11 @@ def test_kill_then_resume_continues_exactly(script, run, tmp_path, tiny_model_di
         ("sft.py", [{"prompt": "a", "completion": " b"}, {"prompt": "c"}], "row 1: no completion"),
         ("sft.py", [{"question": "a"}], "needs a `messages`, `prompt` and `completion`, or `text` column"),
         ("dpo.py", [{"prompt": "a", "chosen": " b", "rejected": " c", "tools": '[{"name": '}], "a `tools` value is not JSON"),
-        ("reward.py", [{"prompt": "a", "chosen": " b", "rejected": " c", "margin": "big"}], "`margin` must be a number"),
+        (
+            "reward.py",
+            [{"prompt": "a", "chosen": " b", "rejected": " c", "margin": "big"}],
+            "`margin` must be a finite number",
+        ),
     ],
 )
 def test_bad_data_stops_in_one_line_before_any_work(script, rows, error, run, tmp_path, tiny_model_dir):
