@@ -197,6 +197,13 @@ def test_a_malformed_dataset_file_is_one_line_naming_the_line(script, case, run,
     assert "DatasetGenerationError" not in proc.stderr and not out.exists()
 
 
+def refused(proc, out):
+    """the one line a run stopped with (status 2, no traceback), nothing written to out"""
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()
+    return proc.stderr.strip().splitlines()[-1]
+
+
 PAIR = {"prompt": "q", "chosen": " yes", "rejected": " no"}
 TURNS = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 # a chat template that reads each message's content (the tiny tokenizer has none)
@@ -266,9 +273,7 @@ def test_a_bad_row_is_one_line_naming_it(script, rows, message, run, tmp_path, t
     out = tmp_path / "out"
     flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {path} --chat_template {tmp_path / 'chat.jinja'}"
     proc = run(f"{script} {flags} --output_dir {out}", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"error: dataset '{path}' (split 'train'), {message}"
-    assert not out.exists()
+    assert refused(proc, out) == f"error: dataset '{path}' (split 'train'), {message}"
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "sft.py"])
@@ -281,9 +286,7 @@ def test_a_chat_template_that_does_not_parse_is_one_line_as_it_loads(script, run
     out = tmp_path / "out"
     flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {path} --chat_template {template}"
     proc = run(f"{script} {flags} --output_dir {out}", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"error: --chat_template file '{template}', line 1: unexpected '}}'"
-    assert not out.exists()
+    assert refused(proc, out) == f"error: --chat_template file '{template}', line 1: unexpected '}}'"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
@@ -291,12 +294,10 @@ def test_a_model_option_whose_package_is_missing_is_one_line(run, tmp_path, tiny
     out = tmp_path / "out"
     flags = f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --output_dir {out}"
     proc = run(f"""rloo.py {flags} --model_init_kwargs '{{"attn_implementation": "flash_attention_2"}}'""", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert refused(proc, out) == (
         f"error: cannot load '{tiny_model_dir}' with AutoModelForCausalLM: FlashAttention2 has been toggled on, but it "
         "cannot be used due to the following error: the package for FlashAttention2 doesn't seem to be installed."
     )
-    assert not out.exists()
 
 
 @pytest.mark.parametrize(
