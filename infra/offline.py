@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from utils import die, init_value_head
 
 from .data import Shuffled, check_paths, note, read_dataset
-from .flags import json_object
+from .flags import json_object, set_config
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
 from .packing import cut
 from .render import (
@@ -43,6 +43,8 @@ class ExampleArgs(TrainArgs):
     '{"revision": "main", "attn_implementation": "eager"}' (a revision is the tokenizer's too)"""
     dataset_name: str = ""
     """a hub dataset id or a local .jsonl/.json/.parquet/.csv file or folder, in one of TRL's formats (docs/pipeline.md)"""
+    dataset_config: Optional[str] = None
+    """the configuration of a hub dataset that has several (TRL's), wherever --dataset_name is read (held out too)"""
     dataset_split: str = "train"
     """the dataset split to train on"""
     eval_dataset_name: Optional[str] = None
@@ -83,6 +85,7 @@ class ExampleArgs(TrainArgs):
         if self.num_train_epochs <= 0:
             die(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
         check_paths(self, "model_name_or_path", "dataset_name", "eval_dataset_name", "chat_template")
+        set_config(self)
         json_object(self, "model_init_kwargs")
         super().__post_init__()
 

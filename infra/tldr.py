@@ -12,7 +12,7 @@ import tyro
 from utils import die
 
 from .data import check_paths, load_prompts
-from .flags import ScoreArgs
+from .flags import ScoreArgs, set_config
 
 JUDGE = (
     "judge the final summaries against the references: python tools/judge_tldr.py --samples {output_dir}"
@@ -36,6 +36,8 @@ class TldrArgs(ScoreArgs):
     """one weight per reward source, in the order: the reward model, then functions (each as given); default all 1"""
     dataset_name: str = "trl-lib/tldr"
     """a hub dataset id, or a local folder of split files (train.parquet, validation.jsonl, ...) or a single file"""
+    dataset_config: Optional[str] = None
+    """the configuration of a hub dataset that has several (TRL's), wherever --dataset_name is read (held out too)"""
     dataset_split: str = "train"
     """the split to train on"""
     eval_split: str = "validation"
@@ -66,6 +68,7 @@ class TldrArgs(ScoreArgs):
         if self.eval_every < 0 or self.eval_examples < 1 or self.eval_batch_size < 1 or self.max_prompt_length < 1:
             die("--eval_every must be >= 0, --eval_examples, --eval_batch_size and --max_prompt_length >= 1")
         check_paths(self, "sft_model_path", "reward_model_path", "reward_fn", "dataset_name")
+        set_config(self)
         super().__post_init__()
 
     @property

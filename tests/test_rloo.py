@@ -191,6 +191,8 @@ def test_dataset_config_picks_a_configuration_wherever_the_dataset_is_read(tmp_p
 
     import infra
     import rloo
+    import rloo_tldr
+    import sft
     from infra import data
 
     folder = tmp_path / "multi"
@@ -213,6 +215,10 @@ def test_dataset_config_picks_a_configuration_wherever_the_dataset_is_read(tmp_p
     )
     parsed(["--dataset_name", str(folder), "--dataset_config", "fr"])
     assert data.read_dataset(str(folder), "train")["prompt"] == ["a prompt in fr"]
+    for script in (sft, rloo_tldr):  # (the scripts that learn from a dataset, and the TL;DR scripts)
+        data.CONFIGS.clear()
+        tyro.cli(script.Args, args=["--dataset_name", str(folder), "--dataset_config", "en"], use_underscores=True)
+        assert data.read_dataset(str(folder), "train")["prompt"] == ["a prompt in en"]
     data.CONFIGS.clear()
     file = str(folder / "fr" / "train.jsonl")
     with pytest.raises(SystemExit) as stop:
