@@ -313,13 +313,11 @@ def main(args):
     # micro-batch, once their trainer logprobs are known (TRL runs the pass for them)
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
 
-    for update in run.updates():  # from the one after the newest checkpoint with --resume
-        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
-        warmup, low = args.warmup_updates, args.min_lr_rate
-        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    # the learning rate's schedule over the optimiser steps, TRL's (--lr_scheduler_type, --warmup_steps: transformers')
+    total_steps = args.num_updates * args.num_iterations * args.num_mini_batches
+    warmup, low = args.warmup_of(total_steps), args.min_lr_rate
 
+    for update in run.updates():  # from the one after the newest checkpoint with --resume
         # 1. this process's share of the next prompts (draw); k completions of each (--environment: episodes), truncated
         # after the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups
         # keep; with --max_staleness N, drawn N updates ago and sampled since, ahead, by the policy of then
@@ -364,6 +362,10 @@ def main(args):
             step_tokens = torch.stack([loss_mask[torch.cat(micros)].sum() for micros in mini_batches]).float()
             dapo_tokens = run.reduce_sum(step_tokens).clamp(min=1.0) / (args.world_size * args.gradient_accumulation_steps)
             for mb, mini_batch in enumerate(mini_batches):
+                steps = ((update - 1) * args.num_iterations + epoch) * args.num_mini_batches + mb  # optimiser steps so far
+                lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, steps, total_steps, warmup, low)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 window = 0.0  # --use_adaptive_entropy: the optimiser step's (entropy sum, token count)
                 for micro in mini_batch:
                     with accelerator.accumulate(policy):
@@ -480,8 +482,7 @@ def main(args):
 
                 # TR-DPO (TRL's sync_ref_model): every ref_model_sync_steps optimiser steps, the reference moves to the
                 # policy by alpha (the next rollout's reference logprobs are the new one's)
-                steps = ((update - 1) * args.num_iterations + epoch) * args.num_mini_batches + mb + 1
-                if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:
+                if args.sync_ref_model and (steps + 1) % args.ref_model_sync_steps == 0:
                     utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)
         policy.eval()
 

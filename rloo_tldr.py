@@ -168,13 +168,11 @@ def main(args):
     # (it takes its only step after reading them), so the rollout skips that forward pass (grpo.py's on_policy)
     skip_pass = args.kl_coef == 0 and args.kl_estimator != "full" and args.num_ppo_epochs == args.num_mini_batches == 1
 
-    for update in run.updates():  # from the one after the newest checkpoint with --resume
-        # the learning rate's schedule over the updates (--lr_scheduler_type, --warmup_steps: transformers' by name)
-        warmup, low = args.warmup_updates, args.min_lr_rate
-        lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, update - 1, args.num_updates, warmup, low)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    # the learning rate's schedule over the optimiser steps, TRL's (--lr_scheduler_type, --warmup_steps: transformers')
+    total_steps = args.num_updates * args.num_ppo_epochs * args.num_mini_batches
+    warmup, low = args.warmup_of(total_steps), args.min_lr_rate
 
+    for update in run.updates():  # from the one after the newest checkpoint with --resume
         # 1. this process's share of the next prompts (draw); k completions of each (--environment: episodes), truncated
         # after the stop token, and each reward source's scores; with --dynamic_sampling, in rounds until enough groups
         # keep; with --max_staleness N, drawn N updates ago and sampled since, ahead, by the policy of then
@@ -233,6 +231,10 @@ def main(args):
             # shuffled by prompt, keeping each prompt's k rows together (so micro-batches can run each prompt once)
             sizes = (args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size)
             for mb, mini_batch in enumerate(utils.minibatches(*sizes, group=k, device=run.device)):
+                steps = ((update - 1) * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb  # optimiser steps so far
+                lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, steps, total_steps, warmup, low)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 for micro in mini_batch:
                     with accelerator.accumulate(policy):
                         logits = utils.forward_grouped(
@@ -285,8 +287,7 @@ def main(args):
                         )
                         if args.ratio_threshold is not None:  # the fraction of micro-batches skipped
                             stats.add(**{"policy/skipped_ratio_threshold": float(skip)})
-                steps = ((update - 1) * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb + 1  # optimiser steps
-                if args.sync_ref_model and steps % args.ref_model_sync_steps == 0:  # TR-DPO: the reference moves
+                if args.sync_ref_model and (steps + 1) % args.ref_model_sync_steps == 0:  # TR-DPO: the reference moves
                     utils.sync_reference(ref_policy, accelerator.unwrap_model(policy), args.ref_model_mixup_alpha)
         policy.eval()
         if on_policy:  # the KL, 0 in the reward, for the metrics

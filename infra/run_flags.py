@@ -139,7 +139,12 @@ class TrainArgs(Checked):
     @property
     def warmup_updates(self):
         """the updates of the learning rate's warmup: --warmup_steps, else --warmup_ratio of the run's (transformers')"""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.num_updates)
+        return self.warmup_of(self.num_updates)
+
+    def warmup_of(self, total):
+        """the steps of the learning rate's warmup in a schedule of total steps: --warmup_steps, else --warmup_ratio of
+        them (transformers')"""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total)
 
     def lora_config(self, modules_to_save=None):
         """peft's LoraConfig keywords of the flags (TRL's get_peft_config); modules_to_save: the script's own (a new head)"""

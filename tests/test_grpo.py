@@ -261,7 +261,8 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, eos_model
         assert r["kl"] >= 0 and r["objective/kl"] >= 0
     assert rows[0]["objective/kl"] == 0.0  # the rollout of the first update comes from the reference itself
     assert rows[0]["clip_ratio/region_mean"] > 0  # the second iteration moved some ratios out of the clip range
-    assert [r["lr"] for r in rows] == pytest.approx([3e-2, 1.5e-2])
+    assert [r["lr"] for r in rows] == pytest.approx([3e-2 * (1 - 3 / 8), 3e-2 * (1 - 7 / 8)])  # (each update's last of
+    # its 4 optimiser steps, linear over 8)
 
     from transformers import AutoModelForCausalLM
 
@@ -683,3 +684,27 @@ def test_the_output_projection_in_float32(run, tmp_path, tiny_tokenizer_dir, tin
                cwd=tmp_path)  # fmt: skip
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("error: --cast_lm_head_to_fp32 needs an output projection"), last
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+def test_the_learning_rate_steps_with_each_optimiser_step_as_trls(script, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """Four optimiser steps an update (2 iterations x 2 mini-batches, in TRL's names): the schedule and its warmup
+    count optimiser steps, as TRL's trainers step transformers' scheduler; the logged rate is each update's last step's"""
+    from transformers import get_scheduler
+
+    (tmp_path / "reward.py").write_text(VOWELS)
+    flags = (
+        f"--model_name_or_path {tiny_model_dir} --dataset_name {tiny_prompts_file} --reward_fn {tmp_path}/reward.py:vowels"
+        " --num_generations 2 --per_device_train_batch_size 4 --gradient_accumulation_steps 1 --steps_per_generation 2"
+        " --num_iterations 2 --total_episodes 24 --response_length 4 --learning_rate 1e-3 --warmup_steps 5"
+        f" --lr_scheduler_type cosine --num_sample_generations 0 --no_save_model --output_dir {tmp_path / 'out'}"
+    )
+    check_ok(run(f"{script} {flags}", cwd=tmp_path))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule, rates = get_scheduler("cosine", optimizer, num_warmup_steps=5, num_training_steps=12), []
+    for _ in range(12):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    logged = [row["lr"] for row in read_metrics(tmp_path / "out")]
+    assert logged == pytest.approx([rates[3], rates[7], rates[11]], rel=1e-9, abs=1e-15)
