@@ -42,6 +42,13 @@ ELSEWHERE = {
     "disable_dropout": "no dropout is ever run",
     "report_to": "--track for wandb; TensorBoard is always written",
 }
+# flags a script takes under TRL's name and ours, one setting the other: given both, the run stops in one line
+PAIRS = [("max_completion_length", "response_length"), ("num_generations_eval", "num_eval_generations"),
+         ("max_tool_calling_iterations", "max_turns"), ("chat_template_path", "chat_template"), ("num_generations", "rloo_k"),
+         ("beta", "kl_coef"), ("epsilon", "cliprange"), ("num_iterations", "num_ppo_epochs"),
+         ("steps_per_generation", "num_mini_batches"), ("generation_batch_size", "num_mini_batches"),
+         ("steps_per_generation", "generation_batch_size"),
+         ("vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max")]  # fmt: skip
 # TRL's values (a flag alone: the empty set) that say what the scripts always do, left out
 ALWAYS = {
     "vllm_mode": [{"colocate"}],
@@ -56,17 +63,19 @@ def trl_argv(cls, argv=None):
     field that takes a bool among other values (Optional[bool]), `--completion_only_loss false` as tyro's `False`.
     TRL's names: RENAMED's as ours, MODEL_KWARGS' into --model_init_kwargs, --report_to wandb as --track, and TRL's
     values that say what the scripts always do (ALWAYS, --report_to none) left out.
-    A flag cls lacks stops the run in one line, with what to use instead where the scripts do its work (ELSEWHERE)."""
+    A flag cls lacks stops the run in one line, with what to use instead where the scripts do its work (ELSEWHERE), and
+    so do both names of one setting (PAIRS)."""
     hints = typing.get_type_hints(cls)
     fields = {field.name for field in dataclasses.fields(cls)}
     switches = {name for name in fields if hints.get(name) is bool}
     valued = {name for name, hint in hints.items() if name not in switches and bool in typing.get_args(hint)}
     known = fields | {f"no_{name}" for name in switches} | {"help"}
-    argv, out, kwargs, unknown = list(sys.argv[1:] if argv is None else argv), [], {}, []
+    argv, out, kwargs, unknown, given = list(sys.argv[1:] if argv is None else argv), [], {}, [], set()
     while argv:
         arg = argv.pop(0)
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         name = name.replace("-", "_")  # (both parsers take --use-peft too)
+        given.add(name.removeprefix("no_") if name.removeprefix("no_") in switches else name)
         if name in RENAMED and name not in fields and RENAMED[name] in fields:
             name, arg = RENAMED[name], f"--{RENAMED[name]}" + (f"={value}" if eq else "")
         if name in switches | valued and not eq and argv and argv[0].lower() in BOOLEANS:
@@ -88,6 +97,9 @@ def trl_argv(cls, argv=None):
                 unknown.append(f"--{name}" + (f" (TRL's; here {ELSEWHERE[name]})" if name in ELSEWHERE else ""))
             continue
         out.append(arg)
+    for trl, ours in PAIRS:
+        if {trl, ours} <= given & fields:
+            die(f"--{trl} and --{ours} set one thing (TRL's name and this script's): give one of them")
     if unknown:
         die(f"unknown flag{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}: --help lists the script's flags")
     if kwargs:  # (TRL's model flags beside --model_init_kwargs' own keywords, which win)

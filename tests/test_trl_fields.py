@@ -111,3 +111,8 @@ def test_trls_names_run_as_ours_and_a_flag_a_script_lacks_is_one_line(run, tmp_p
     ]
     proc = run("sft.py --no_such_flag 1", tmp_path)
     assert proc.stderr.strip().splitlines() == ["error: unknown flag --no_such_flag: --help lists the script's flags"]
+    # TRL's name and ours of one setting, both given: which would win is not the user's to guess
+    proc = run("rloo.py --num_generations 4 --rloo_k=2", tmp_path)
+    assert proc.stderr.strip().splitlines() == [
+        "error: --num_generations and --rloo_k set one thing (TRL's name and this script's): give one of them"
+    ]
