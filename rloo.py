@@ -16,7 +16,7 @@ With a reward model and a hub dataset, on GPUs:
 """
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 import tyro
@@ -75,6 +75,8 @@ class Args(
     """RLOO's flags, then those every script shares (infra/*flags.py): the score's shaping; the model, data and reward
     sources; the rollout; dynamic sampling; the environment (multi-turn episodes); the evaluation; the run (the batch
     and its optimiser, the experiment and its outputs, precision, LoRA, EMA, PTX)."""
+
+    lr_per_update: ClassVar[bool] = False  # the learning rate's schedule steps per optimiser step (TRL 1.16's RLOO)
 
 
 def rloo_advantages(rlhf_reward, k, scored):
@@ -144,8 +146,9 @@ def main(args):
     # (it takes its only step after reading them), so the rollout skips that forward pass (grpo.py's on_policy)
     skip_pass = args.kl_coef == 0 and args.kl_estimator != "full" and args.num_ppo_epochs == args.num_mini_batches == 1
 
-    # the learning rate's schedule over the optimiser steps, TRL's (--lr_scheduler_type, --warmup_steps: transformers')
-    total_steps = args.num_updates * args.num_ppo_epochs * args.num_mini_batches
+    # the learning rate's schedule (--lr_scheduler_type, --warmup_steps: transformers'), stepping with each optimiser
+    # step, as TRL 1.16's RLOOTrainer, or with each update (lr_per_update, the TL;DR script's: TRL 0.x's)
+    total_steps = args.num_updates * (1 if args.lr_per_update else args.num_ppo_epochs * args.num_mini_batches)
     warmup, low = args.warmup_of(total_steps), args.min_lr_rate
 
     for update in run.updates():  # from the one after the newest checkpoint with --resume
@@ -208,7 +211,8 @@ def main(args):
             sizes = (args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size)
             for mb, mini_batch in enumerate(utils.minibatches(*sizes, group=k, device=run.device)):
                 steps = ((update - 1) * args.num_ppo_epochs + epoch) * args.num_mini_batches + mb  # optimiser steps so far
-                lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, steps, total_steps, warmup, low)
+                at = update - 1 if args.lr_per_update else steps
+                lr = args.learning_rate * utils.lr_factor(args.lr_scheduler_type, at, total_steps, warmup, low)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 for micro in mini_batch:

@@ -75,6 +75,8 @@ def test_rloo_tldr_trains_and_evaluates(run, tmp_path, tldr_dir, tiny_model_dir,
     rm_keys = reward_keys(os.path.basename(tiny_reward_model_dir))  # the reward model's rewards/<name>/...
     assert [r["episode"] for r in train] == [16, 32] and all(sorted(r) == sorted(RLOO_KEYS + rm_keys) for r in train)
     assert [r["episode"] for r in evals] == [0, 16, 32] and all(sorted(r) == sorted(EVAL_KEYS) for r in evals)
+    # the schedule steps once per update (TRL 0.x's RLOOTrainer), though an update takes 4 optimiser steps here
+    assert [r["lr"] for r in train] == pytest.approx([3e-6, 1.5e-6])
     with open(out / "eval.json") as f:
         assert json.load(f) == evals
 
