@@ -20,16 +20,33 @@ import http.client
 import json
 import os
 import socket
+import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
+
+def setting(name, default, kind, least):
+    """an environment variable's number of kind (int: at least `least`; float: above it), or one line"""
+    text = os.environ.get(name, str(default))
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not (value >= least if kind is int else value > least):
+        what = "a whole number, at least" if kind is int else "a number above"
+        raise SystemExit(f"error: {name} must be {what} {least}, got {text!r}")
+    return value
+
+
 URL = os.environ.get("REWARD_URL")
-BATCH_SIZE, TIMEOUT = int(os.environ.get("REWARD_BATCH_SIZE", 64)), float(os.environ.get("REWARD_TIMEOUT", 60))
-RETRIES = int(os.environ.get("REWARD_RETRIES", 3))
+BATCH_SIZE, TIMEOUT = setting("REWARD_BATCH_SIZE", 64, int, 1), setting("REWARD_TIMEOUT", 60, float, 0)
+RETRIES = setting("REWARD_RETRIES", 3, int, 0)
 if URL is not None and not URL.startswith(("http://", "https://")):  # checked as the scripts load the function
     raise SystemExit(f"error: REWARD_URL {URL!r} must start with http:// or https://")
+if URL is None and any(arg.endswith("reward_server.py:server") for arg in sys.argv):  # (server() would need it later)
+    raise SystemExit("error: examples/reward_server.py:server needs REWARD_URL, e.g. REWARD_URL=http://localhost:8000")
 
 
 def reachable(url, timeout=60.0, retries=3):

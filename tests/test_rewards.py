@@ -265,8 +265,8 @@ def test_reward_server_failures_stop_the_run_with_one_line(
 def test_a_reward_server_that_is_down_stops_the_run_before_any_model_loads(
     run, tmp_path, tiny_model_dir, columns_data, monkeypatch
 ):
-    """examples/reward_server.py:server with REWARD_URL at a port nothing listens on: one line as the function loads,
-    nothing written (a server that is up: test_reward_server_batches_retries_and_nulls)"""
+    """examples/reward_server.py:server with REWARD_URL at a port nothing listens on, or none, or a setting that is not
+    a number: one line as the function loads, nothing written (a server that is up: test_reward_server_batches_...)"""
     import socket
 
     with socket.socket() as closed:  # a port that was free a moment ago
@@ -281,6 +281,18 @@ def test_a_reward_server_that_is_down_stops_the_run_before_any_model_loads(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: reward server http://127.0.0.1:{port}/score cannot be reached (2 time(s))"), last
     assert "Traceback" not in proc.stderr and not out.exists()
+    # no REWARD_URL, or a setting that is not a number: the same, as the file loads
+    for name, value, line in [
+        (
+            "REWARD_URL",
+            None,
+            "error: examples/reward_server.py:server needs REWARD_URL, e.g. REWARD_URL=http://localhost:8000",
+        ),
+        ("REWARD_RETRIES", "x", "error: REWARD_RETRIES must be a whole number, at least 0, got 'x'"),
+    ]:
+        monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name)
+        proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
+        assert proc.stderr.strip().splitlines()[-1] == line and "Traceback" not in proc.stderr and not out.exists()
 
 
 @pytest.mark.parametrize(
