@@ -350,7 +350,8 @@ def open_logs(accelerator, args, run_name, episode):
         return None
     if not args.quiet:
         pprint(args)
-    print(f"writing to {args.output_dir}: metrics.jsonl, TensorBoard logs (runs/), the model at the end", flush=True)
+    model = ", the model at the end" if getattr(args, "save_model", True) else ""
+    print(f"writing to {args.output_dir}: metrics.jsonl, TensorBoard logs (runs/){model}", flush=True)
     os.makedirs(args.output_dir, exist_ok=True)
     if not args.resume:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:
