@@ -412,6 +412,20 @@ def test_observations_follow_the_runs_stop_token(smollm2):
     assert prompt + tokens + tokenizer("\n")["input_ids"] == rendered
 
 
+def test_a_column_reset_names_is_required_of_the_dataset(chatml, tmp_path):
+    """reset(self, secret, **row): a dataset (or held-out set) without `secret` stops in one line as it loads, not at
+    the first episode after the models load (KeyError); with it, the prompts load"""
+    guess = Environments([os.path.join(REPO, "examples/environments/guess_number.py:GuessNumber")], chatml, EOS)
+    data = tmp_path / "plain.jsonl"
+    data.write_text(json.dumps({"prompt": QUESTION}) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        infra.data.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=512, env=guess)
+    why = f"dataset {str(data)!r} (split 'train') has ['prompt']"
+    assert stop.value.line == f"error: GuessNumber.reset needs the dataset column(s) ['secret']; {why}"
+    data.write_text(json.dumps({"prompt": QUESTION, "secret": 3}) + "\n")
+    assert len(infra.data.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=512, env=guess)[0]) == 1
+
+
 def test_max_prompt_length_measures_the_prompt_with_its_tools(chatml, tmp_path):
     """--max_prompt_length bounds a prompt as the model reads it, the tools' schemas included."""
     (tmp_path / "envs.py").write_text(TRL_ENVS)

@@ -17,8 +17,8 @@ import re
 class GuessNumber:
     text_environment = True  # step(completion) -> (observation, reward, done); without it, methods are tools
 
-    def reset(self, **row):
-        self.secret, self.wrong = row["secret"], 0
+    def reset(self, secret, **row):  # (a named parameter: the dataset must have that column, checked as it loads)
+        self.secret, self.wrong = secret, 0
         return " I picked a whole number from 1 to 10. Guess it: reply with one number only, for example 4."
 
     def step(self, completion):
