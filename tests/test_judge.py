@@ -313,6 +313,11 @@ def closed_port():
         ("missing_path", "does not exist"),
         ("no_eval_samples", "has no eval_samples/episode_{N}.jsonl"),
         ("missing_key", "line 3 has no 'completion'"),
+        ("null_reference", "line 3: 'reference' must be text, got None"),
+        ("text_index", "line 3: 'index' must be a whole number, got '"),
+        ("not_a_url", "--judge_base_url 'notaurl' must start with http:// or https://"),
+        ("nan_timeout", "--judge_timeout must be positive"),
+        ("bad_results", "is not this script's results (a list of rows with an episode): move it aside"),
         ("not_json", "line 2 is not JSON"),
         ("too_few", "holds 10 samples, fewer than --num_examples 11"),
         ("all_evaluations_file", "--all_evaluations needs"),
@@ -335,10 +340,14 @@ def test_one_line_errors(run, tmp_path, judge_url, case, message):
     elif case == "no_eval_samples":
         os.makedirs(tmp_path / "plain")
         samples = str(tmp_path / "plain")
-    elif case in ("missing_key", "not_json"):
+    elif case in ("missing_key", "not_json", "null_reference", "text_index"):
         lines = open(path).read().splitlines()
         if case == "missing_key":
             lines[2] = json.dumps({k: v for k, v in json.loads(lines[2]).items() if k != "completion"})
+        elif case in ("null_reference", "text_index"):  # (a held-out set without references; an index as text)
+            row = json.loads(lines[2])
+            row.update({"reference": None} if case == "null_reference" else {"index": str(row["index"])})
+            lines[2] = json.dumps(row)
         else:
             lines[1] = "{oops"
         open(path, "w").write("\n".join(lines) + "\n")
@@ -359,6 +368,13 @@ def test_one_line_errors(run, tmp_path, judge_url, case, message):
         url = f"http://127.0.0.1:{closed_port()}/v1"
     elif case == "letters_trl":
         model, extra = "letters", "--protocol trl"
+    elif case == "not_a_url":
+        url = "notaurl"
+    elif case == "nan_timeout":
+        extra = "--judge_timeout nan"
+    elif case == "bad_results":  # (read before the test request, which costs money on a real judge)
+        os.makedirs(os.path.join(out, "judge"))
+        open(os.path.join(out, "judge", "project.json"), "w").write("{oops")
     elif case in ("unauthorized", "garbage"):
         model = case
 
@@ -369,4 +385,4 @@ def test_one_line_errors(run, tmp_path, judge_url, case, message):
     assert sample_requests(model) == []
     if case not in ("unreachable", "unauthorized", "garbage", "letters_trl"):
         assert Judge.log == []  # bad input is found before the test request
-    assert not os.path.exists(os.path.join(out, "judge", "project.json"))
+    assert case == "bad_results" or not os.path.exists(os.path.join(out, "judge", "project.json"))

@@ -237,6 +237,11 @@ def read_samples(path, keys):
             missing = [k for k in keys if not isinstance(row, dict) or k not in row]
             if missing:
                 die(f"{path} line {number} has no {', '.join(repr(k) for k in missing)} (is it an eval_samples file?)")
+            for key in keys:  # (a null reference, from a held-out set without one, would be judged as the text None)
+                kind = int if key == "index" else str
+                if not isinstance(row[key], kind) or isinstance(row[key], bool):
+                    what = "a whole number" if kind is int else "text"
+                    die(f"{path} line {number}: {key!r} must be {what}, got {row[key]!r}")
             rows.append(row)
     if not rows:
         die(f"{path} holds no samples")
@@ -272,10 +277,12 @@ def run_dir(path):
 
 if __name__ == "__main__":
     args = tyro.cli(Args, use_underscores=True)
-    if args.judge_timeout <= 0 or args.judge_retries < 0 or args.judge_workers < 1:
+    if not args.judge_timeout > 0 or args.judge_retries < 0 or args.judge_workers < 1:  # (NaN: not > 0)
         die("--judge_timeout must be positive, --judge_retries >= 0 and --judge_workers >= 1")
     if args.num_examples is not None and args.num_examples < 1:
         die("--num_examples must be >= 1")
+    if not args.judge_base_url.startswith(("http://", "https://")):
+        die(f"--judge_base_url {args.judge_base_url!r} must start with http:// or https://")
     for path in [args.samples, args.against]:
         if path is not None and not os.path.exists(path):
             die(f"{path} does not exist")
@@ -310,17 +317,20 @@ if __name__ == "__main__":
             other_name += f"_episode_{other_episode}"
         name += "_vs_" + re.sub(r"[^A-Za-z0-9_.-]", "_", other_name)
 
+    out = os.path.join(run_dir(args.samples), "judge")
+    results_path = os.path.join(out, f"{name}.json")
+    results = []
+    if os.path.exists(results_path):  # (the earlier evaluations' results, kept beside the new ones)
+        try:
+            with open(results_path) as f:
+                results = [row for row in json.load(f) if row["episode"] not in evaluations]
+        except (ValueError, TypeError, KeyError):
+            die(f"{results_path} is not this script's results (a list of rows with an episode): move it aside")
+
     # 2. one test request: a wrong URL, key, model or protocol fails here, in one line
     api_key = os.environ.get(args.judge_api_key_env)
     check_judge(args, api_key)
-
-    out = os.path.join(run_dir(args.samples), "judge")
     os.makedirs(out, exist_ok=True)
-    results_path = os.path.join(out, f"{name}.json")
-    results = []
-    if os.path.exists(results_path):
-        with open(results_path) as f:
-            results = [row for row in json.load(f) if row["episode"] not in evaluations]
 
     # 3. judge each evaluation: the first run's summary against the reference (or the other run's summary)
     def one(r):
