@@ -41,9 +41,8 @@ class TrainArgs(Checked):
     """the share of the updates over which the rate first rises linearly from zero"""
     warmup_steps: int = 0
     """the updates over which the rate first rises linearly from zero (over --warmup_ratio where above 0)"""
-    min_lr_rate: Optional[float] = None
-    """cosine_with_min_lr's last rate, a share of --learning_rate (transformers' lr_scheduler_kwargs' min_lr_rate),
-    which it needs (as transformers)"""
+    min_lr_rate: float = 0.0
+    """cosine_with_min_lr's last rate, a share of --learning_rate (transformers' lr_scheduler_kwargs' min_lr_rate)"""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay, on every trainable weight but the biases and the norms' (as transformers')"""
     adam_beta1: float = 0.9
@@ -167,14 +166,12 @@ class TrainArgs(Checked):
             die(f"--adam_epsilon must be positive, got {self.adam_epsilon}")
         for name, in_range, words in [
             ("warmup_ratio", lambda v: 0 <= v <= 1, "[0, 1]"),
-            ("min_lr_rate", lambda v: v is None or 0 <= v <= 1, "[0, 1]"),
+            ("min_lr_rate", lambda v: 0 <= v <= 1, "[0, 1]"),
             ("adam_beta1", lambda v: 0 <= v < 1, "[0, 1)"),
             ("adam_beta2", lambda v: 0 <= v < 1, "[0, 1)"),
         ]:
             if not in_range(getattr(self, name)):
                 die(f"--{name} must be in {words}, got {getattr(self, name)}")
-        if self.lr_scheduler_type == "cosine_with_min_lr" and self.min_lr_rate is None:
-            die("--lr_scheduler_type cosine_with_min_lr needs --min_lr_rate, its last rate's share (as transformers)")
         at_least(self, 1, "keep_checkpoints", *(["lora_r", "lora_alpha"] if self.use_peft else []))
         if not 0 <= self.seed < 2**32:
             die(f"--seed must be in [0, 2**32), got {self.seed}")

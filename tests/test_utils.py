@@ -798,14 +798,6 @@ def test_lr_factor_is_transformers_schedule_of_its_name(kind, warmup):
     assert ours == pytest.approx([theirs.lr_lambdas[0](step) for step in range(total)], rel=1e-12, abs=1e-15)
     if kind == "linear" and warmup == 0:
         assert ours == [1.0 - (update - 1.0) / total for update in range(1, total + 1)]
-    if kind == "cosine_with_min_lr":  # which needs its last rate, as transformers' does (not cosine's 0 unsaid)
-        import rloo
-
-        with pytest.raises(SystemExit) as stop:
-            rloo.Args(lr_scheduler_type=kind)
-        assert stop.value.line.startswith("error: --lr_scheduler_type cosine_with_min_lr needs --min_lr_rate")
-        with pytest.raises(ValueError, match="min_lr or min_lr_rate"):
-            get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
 
 def test_decay_groups_spare_what_transformers_spares():
