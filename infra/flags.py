@@ -32,7 +32,8 @@ def at_least(args, bound, *names, strict=False, at_most=None):
 
 def set_config(args):
     """--dataset_config: the configuration of --dataset_name wherever it is read (read_dataset), as TRL's scripts load
-    the dataset once with it; a local file has none (one line)"""
+    the dataset once with it; a local file has none (one line). Set anew as each run's flags are parsed."""
+    CONFIGS.clear()  # (another run's, in the same interpreter)
     if args.dataset_config is not None:
         if os.path.isfile(args.dataset_name):
             die(f"--dataset_config names a configuration of a hub dataset; {args.dataset_name!r} is a file")
