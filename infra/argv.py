@@ -68,14 +68,18 @@ def trl_argv(cls, argv=None):
     hints = typing.get_type_hints(cls)
     fields = {field.name for field in dataclasses.fields(cls)}
     switches = {name for name in fields if hints.get(name) is bool}
-    valued = {name for name, hint in hints.items() if name not in switches and bool in typing.get_args(hint)}
+    valued = {name for name in fields - switches if bool in typing.get_args(hints.get(name))}  # (not a ClassVar)
     known = fields | {f"no_{name}" for name in switches} | {"help"}
     argv, out, kwargs, unknown, given = list(sys.argv[1:] if argv is None else argv), [], {}, [], set()
+    own = None  # --model_init_kwargs' own JSON, which TRL's model flags join
     while argv:
         arg = argv.pop(0)
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         name = name.replace("-", "_")  # (both parsers take --use-peft too)
         given.add(name.removeprefix("no_") if name.removeprefix("no_") in switches else name)
+        if name == "model_init_kwargs" and "model_init_kwargs" in fields:
+            own = value if eq else argv.pop(0) if argv else ""
+            continue
         if name in RENAMED and name not in fields and RENAMED[name] in fields:
             name, arg = RENAMED[name], f"--{RENAMED[name]}" + (f"={value}" if eq else "")
         if name in switches | valued and not eq and argv and argv[0].lower() in BOOLEANS:
@@ -103,12 +107,13 @@ def trl_argv(cls, argv=None):
     if unknown:
         die(f"unknown flag{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}: --help lists the script's flags")
     if kwargs:  # (TRL's model flags beside --model_init_kwargs' own keywords, which win)
-        at = [i for i, a in enumerate(out) if a.partition("=")[0] == "--model_init_kwargs"]
-        text = (out[at[-1]].partition("=")[2] or out[at[-1] + 1 : at[-1] + 2] or ["{}"])[0] if at else "{}"
         try:
-            given = json.loads(text)
+            given = json.loads(own or "{}")
         except json.JSONDecodeError as e:
-            die(f"--model_init_kwargs must be a JSON object ('{{\"name\": value, ...}}'): {e}")
-        out = [a for i, a in enumerate(out) if not any(i == j or i == j + 1 and "=" not in out[j] for j in at)]
-        out += ["--model_init_kwargs", json.dumps(kwargs | given)]
+            given = e
+        if not isinstance(given, dict):
+            die(f"--model_init_kwargs must be a JSON object ('{{\"name\": value, ...}}'), got {own}")
+        own = json.dumps(kwargs | given)
+    if own is not None:
+        out += ["--model_init_kwargs", own]
     return out

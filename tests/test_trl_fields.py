@@ -98,6 +98,8 @@ def test_trls_names_run_as_ours_and_a_flag_a_script_lacks_is_one_line(run, tmp_p
     assert (args.exp_name, args.dataset_split, args.keep_checkpoints, args.eval_batch_size) == ("x", "dev", 3, 5)
     assert args.track is True
     assert json.loads(args.model_init_kwargs) == {"dtype": "float32", "attn_implementation": "eager", "revision": "main"}
+    args = parsed(rloo, ['--model-init-kwargs={"revision": "x"}', "--torch_dtype", "bfloat16"])  # (the = form, hyphens)
+    assert json.loads(args.model_init_kwargs) == {"dtype": "bfloat16", "revision": "x"}
     args = parsed(sft, ["--report_to", "none", "--torch_dtype", "bfloat16", "--disable_dropout", "True"])
     assert args.track is False and json.loads(args.model_init_kwargs) == {"dtype": "bfloat16"}
     assert parsed(sft, ["--num_train_epochs", "2"]).num_train_epochs == 2  # (sft.py's own flag)
