@@ -176,7 +176,7 @@ def load_prompts(
     kinds = [None] * len(ds)
     if env is not None:
         names = ds["environment"] if "environment" in ds.column_names else None
-        kinds = env.row_kinds(names, len(ds), f"dataset {dataset_name!r} (split {split!r})", ds.column_names)
+        kinds = env.row_kinds(names, len(ds), f"dataset {dataset_name!r} (split {split!r})", ds.column_names, prompt_field)
     queries, texts, refs, kept = [], [], [], []
     for row, (value, ref, kind) in enumerate(zip(ds[prompt_field], references, kinds)):
         tools = env.schemas(kind) if kind is not None else None

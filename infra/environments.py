@@ -85,11 +85,11 @@ class Environments:
         # pool: the instances, each made once and reset for each episode (TRL's "construct once, reset often")
         return dict(factory=factory, cls=cls, name=cls.__name__, text=text, tools=tools, rewarded=rewarded, pool=[probe])
 
-    def row_kinds(self, names, n, where, columns=None):
+    def row_kinds(self, names, n, where, columns=None, prompt_field="prompt"):
         """The environment kind of each of n rows: with several, named by the rows' `environment` column (names; None:
         the rows have none), a row without a known name stopping the run in one line naming `where`; so does a kind
-        whose reset() names a parameter (reset(self, secret, **row)) the dataset's columns (columns: checked where
-        given) lack"""
+        whose reset() names a parameter (reset(self, secret, **row)) that the columns reset gets lack (columns: the
+        dataset's, checked where given, but prompt_field's, which reset gets as `prompt`)"""
         if self.multi and names is None:
             die(f"{where} has no `environment` column to pick each row's environment from {sorted(self.kinds)}")
         unknown = sorted(set(map(str, names)) - set(self.kinds)) if self.multi else []
@@ -97,9 +97,12 @@ class Environments:
             die(f"{where}'s `environment` column names {unknown}, not among the environments {sorted(self.kinds)}")
         kinds = [self.kinds[name] for name in names] if self.multi else [self.kinds[None]] * n
         for kind in [] if columns is None else {id(kind): kind for kind in kinds}.values():
-            params = list(inspect.signature(kind["cls"].reset).parameters.values())[1:]  # (after self)
+            try:  # (the probe's bound method: an instance's own reset, a static one)
+                params = inspect.signature(kind["pool"][0].reset).parameters.values()
+            except (TypeError, ValueError):  # (one inspect cannot read: left to the episode)
+                params = []
             needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-            missing = sorted(set(needed) - set(columns) - {"prompt"})
+            missing = sorted(set(needed) - (set(columns) - {prompt_field}) - {"prompt"})
             if missing:
                 die(f"{kind['name']}.reset needs the dataset column(s) {missing}; {where} has {sorted(columns)}")
         return kinds

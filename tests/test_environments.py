@@ -424,6 +424,10 @@ def test_a_column_reset_names_is_required_of_the_dataset(chatml, tmp_path):
     assert stop.value.line == f"error: GuessNumber.reset needs the dataset column(s) ['secret']; {why}"
     data.write_text(json.dumps({"prompt": QUESTION, "secret": 3}) + "\n")
     assert len(infra.data.load_prompts(str(data), "train", "prompt", chatml, max_prompt_length=512, env=guess)[0]) == 1
+    # the prompt column is reset's `prompt` whatever its name: a `secret` prompt column is not reset's `secret`
+    data.write_text(json.dumps({"secret": QUESTION}) + "\n")
+    with pytest.raises(SystemExit, match=r"GuessNumber.reset needs the dataset column\(s\) \['secret'\]"):
+        infra.data.load_prompts(str(data), "train", "secret", chatml, max_prompt_length=512, env=guess)
 
 
 def test_max_prompt_length_measures_the_prompt_with_its_tools(chatml, tmp_path):
