@@ -373,7 +373,7 @@ def trainable(policy, args, gradient_checkpointing=True, modules_to_save=None):
         try:
             policy = get_peft_model(policy, LoraConfig(**args.lora_config(modules_to_save)))
         except ValueError as e:  # (no default for the family, a module the model lacks)
-            die(f"--use_peft: {str(e).strip().splitlines()[0]}")
+            die(f"--use_peft: {str(e).strip().splitlines()[0]} (--lora_target_modules: names, or all-linear)")
     policy.eval()
     if gradient_checkpointing and args.gradient_checkpointing:
         disable_dropout(policy)

@@ -226,8 +226,9 @@ def write_model_card(args, script, algorithm, doc, base_model, sources):
 
 
 def create_repo(repo_id, private):
-    """--push_to_hub's repo, created if missing as the run starts (as transformers' Trainer does), so that no token, no
-    network or no write access stops the run in one line before any work rather than after it"""
+    """--push_to_hub's repo, created if missing as the run starts (as transformers' Trainer does), so that no token or
+    no network stops the run in one line before any work rather than after it (a read-only token on a repo that exists
+    passes here: huggingface_hub finds the repo)"""
     from huggingface_hub import HfApi
 
     try:
@@ -286,6 +287,8 @@ def open_output_dir(args):
     if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
         with open(os.path.join(args.output_dir, "args.json")) as f:
             saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)
+        if saved.get("use_peft") and "lora_target_modules" not in saved:  # (a LoRA run from before the flag: all-linear)
+            saved["lora_target_modules"] = ["all-linear"]
         changed = [key for key in now if key not in RESUMABLE and key in saved and saved[key] != now[key]]
         if changed:
             die(f"--resume with arguments that change the run: {', '.join(f'{k} {saved[k]} -> {now[k]}' for k in changed)}")

@@ -8,7 +8,6 @@ they cannot render refused in one line. The scripts that learn from a dataset re
 import json
 
 import jinja2
-from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from utils import die
 
@@ -44,6 +43,8 @@ def template_ids(tokenizer, messages, tools=None, add_generation_prompt=False, w
 def check_template(tokenizer, path):
     """--chat_template's file (path), now the tokenizer's template, compiled as transformers compiles it, so that a
     syntax error stops the run as the file loads, in one line, not at the first row rendered"""
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # (transformers' own compiler)
+
     try:
         _compile_jinja_template(tokenizer.chat_template)
     except jinja2.TemplateSyntaxError as e:

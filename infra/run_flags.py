@@ -35,12 +35,13 @@ class TrainArgs(Checked):
     learning_rate: float = 5e-5
     """the AdamW learning rate, at its peak (--lr_scheduler_type)"""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"] = "linear"
-    """the learning rate's schedule over the updates (transformers' names, after the warmup): linear to zero, a cosine
-    to zero (cosine_with_min_lr: to --min_lr_rate times the rate), or constant (which has no warmup)"""
+    """the learning rate's schedule over its steps, the optimiser's in grpo.py and rloo.py (TRL's), else the updates
+    (transformers' names, after the warmup): linear to zero, a cosine to zero (cosine_with_min_lr: to --min_lr_rate
+    times the rate), or constant (which has no warmup)"""
     warmup_ratio: float = 0.0
-    """the share of the updates over which the rate first rises linearly from zero"""
+    """the share of the schedule's steps over which the rate first rises linearly from zero"""
     warmup_steps: int = 0
-    """the updates over which the rate first rises linearly from zero (over --warmup_ratio where above 0)"""
+    """the schedule's steps over which the rate first rises linearly from zero (over --warmup_ratio where above 0)"""
     min_lr_rate: float = 0.0
     """cosine_with_min_lr's last rate, a share of --learning_rate (transformers' lr_scheduler_kwargs' min_lr_rate)"""
     weight_decay: float = 0.0

@@ -113,6 +113,23 @@ def test_trls_lora_flags_set_peft_s_config(run, tmp_path, tiny_model_dir, tiny_p
         assert proc.stderr.strip().splitlines()[-1].startswith(line) and not os.path.exists(tmp_path / "no")
 
 
+def test_a_lora_run_from_before_the_target_flag_resumes_with_its_modules(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """A LoRA run whose args.json predates --lora_target_modules trained every linear layer: --resume under today's
+    default (peft's modules) would load its adapters into others, so it is refused in one line naming the flag's
+    value it had"""
+    out = tmp_path / "out"
+    args = common(tiny_model_dir, tiny_prompts_file, tmp_path) + f" --checkpoint_every 1 --output_dir {out}"
+    check_ok(run(f"rloo.py {args} --lora_target_modules all-linear --total_episodes 16", tmp_path))
+    with open(out / "args.json") as f:
+        saved = json.load(f)
+    saved.pop("lora_target_modules")  # (as an older run wrote it)
+    (out / "args.json").write_text(json.dumps(saved))
+    proc = run(f"rloo.py {args} --total_episodes 16 --resume", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "error: --resume with arguments that change the run: lora_target_modules ['all-linear'] -> None"
+
+
 def test_ppo_lora_keeps_a_full_critic(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     out = tmp_path / "out"
     check_ok(run(f"ppo.py {common(tiny_model_dir, tiny_prompts_file, tmp_path)} --output_dir {out}", tmp_path))
