@@ -18,6 +18,7 @@ For several servers, write a function per server that calls ask() (each is a rew
 
 import http.client
 import json
+import math
 import os
 import socket
 import sys
@@ -34,7 +35,7 @@ def setting(name, default, kind, least):
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or not (value >= least if kind is int else value > least):
+    if value is None or not (value >= least if kind is int else least < value < math.inf):
         what = "a whole number, at least" if kind is int else "a number above"
         raise SystemExit(f"error: {name} must be {what} {least}, got {text!r}")
     return value

@@ -289,6 +289,7 @@ def test_a_reward_server_that_is_down_stops_the_run_before_any_model_loads(
             "error: examples/reward_server.py:server needs REWARD_URL, e.g. REWARD_URL=http://localhost:8000",
         ),
         ("REWARD_RETRIES", "x", "error: REWARD_RETRIES must be a whole number, at least 0, got 'x'"),
+        ("REWARD_TIMEOUT", "inf", "error: REWARD_TIMEOUT must be a number above 0, got 'inf'"),
     ]:
         monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name)
         proc = run(command("rloo.py", tiny_model_dir, data, out, extra), tmp_path)
