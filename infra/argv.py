@@ -108,12 +108,12 @@ def trl_argv(cls, argv=None):
         die(f"unknown flag{'s' if len(unknown) > 1 else ''} {'; '.join(unknown)}: --help lists the script's flags")
     if kwargs:  # (TRL's model flags beside --model_init_kwargs' own keywords, which win)
         try:
-            given = json.loads(own or "{}")
-        except json.JSONDecodeError as e:
-            given = e
-        if not isinstance(given, dict):
+            theirs = json.loads(own or "{}")
+        except json.JSONDecodeError:
+            theirs = None
+        if not isinstance(theirs, dict):
             die(f"--model_init_kwargs must be a JSON object ('{{\"name\": value, ...}}'), got {own}")
-        own = json.dumps(kwargs | given)
+        own = json.dumps(kwargs | theirs)
     if own is not None:
         out += ["--model_init_kwargs", own]
     return out

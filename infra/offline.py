@@ -191,18 +191,18 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
     no partner): the completion that, after this row's prompt, estimates KTO's KL term, as TRL pairs them once for all:
     the previous row's in blocks of `block` rows in the dataset's order, the first row taking its block's last. scored:
     reward-labelled completions instead (`prompt`, `completion`, a number `reward`: ilql.py's), each with its reward."""
-    columns = ds.column_names
+    columns, records = ds.column_names, ds.to_list()  # (the rows, read once)
     paired = not scored and {"chosen", "rejected"} <= set(columns)
-    for j, r in enumerate(ds):  # (before implicit_prompt reads a pair)
+    for j, r in enumerate(records):  # (before implicit_prompt reads a pair)
         check_row(r, ("prompt", "chosen", "rejected") if paired else ("prompt", "completion"), f"{where}, row {j}")
     if scored:
         if not {"prompt", "completion", "reward"} <= set(columns):
             die(f"{where} needs `prompt`, `completion` and `reward` columns; it has {columns}")
-        texts = [(r["prompt"], r["completion"], r["reward"], tools_of(r), j, "completion") for j, r in enumerate(ds)]
+        texts = [(r["prompt"], r["completion"], r["reward"], tools_of(r), j, "completion") for j, r in enumerate(records)]
     elif paired:
         texts = []  # (prompt, completion, label, tools) as TRL's unpair_preference_dataset orders them
-        for start in range(0, len(ds), 1000):
-            chunk = [ds[i] for i in range(start, min(start + 1000, len(ds)))]
+        for start in range(0, len(records), 1000):
+            chunk = records[start : start + 1000]
             pairs = [
                 (r["prompt"], r["chosen"], r["rejected"]) if "prompt" in r else implicit_prompt(r["chosen"], r["rejected"])
                 for r in chunk
@@ -220,7 +220,7 @@ def labelled_rows(tokenizer, ds, where, max_length, block, scored=False):
                 for j, (p, r) in enumerate(zip(pairs, chunk))
             ]  # (each with the dataset's row and what it is there, for an error's line)
     elif {"prompt", "completion", "label"} <= set(columns):
-        texts = [(r["prompt"], r["completion"], r["label"], tools_of(r), j, "completion") for j, r in enumerate(ds)]
+        texts = [(r["prompt"], r["completion"], r["label"], tools_of(r), j, "completion") for j, r in enumerate(records)]
     else:
         die(f"{where} needs `prompt`, `completion` and `label` columns, or `chosen` and `rejected`; it has {columns}")
     rows = []

@@ -233,8 +233,13 @@ def create_repo(repo_id, private):
 
     try:
         HfApi().create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    except Exception as e:  # no network, no token, no write access, ...
-        die(f"--push_to_hub cannot create {repo_id!r}: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    except Exception as e:  # no network, no token, ...
+        die(f"--push_to_hub cannot create {repo_id!r}: {hub_reason(e)}")
+
+
+def hub_reason(e):
+    """a hub call's failure in a few words: its message's first line (or its type), at most 200 characters"""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def push_to_hub(output_dir, repo_id, private):
@@ -253,8 +258,7 @@ def push_to_hub(output_dir, repo_id, private):
             commit_message=f"upload {os.path.basename(os.path.normpath(output_dir))}",
         )
     except Exception as e:  # no network, no token, no write access, ...
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        die(f"--push_to_hub to {repo_id!r} failed ({reason}); the model is saved in {output_dir}")
+        die(f"--push_to_hub to {repo_id!r} failed ({hub_reason(e)}); the model is saved in {output_dir}")
     print(f"uploaded {output_dir} to https://huggingface.co/{repo_id}")
 
 
