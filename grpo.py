@@ -312,7 +312,6 @@ def main(args):
     # without vLLM; the ratio is then exactly 1). With --use_vllm too: the engine's samples are weighed micro-batch by
     # micro-batch, once their trainer logprobs are known (TRL runs the pass for them)
     on_policy = args.num_iterations == 1 and args.num_mini_batches == 1
-
     # the learning rate's schedule over the optimiser steps, TRL's (--lr_scheduler_type, --warmup_steps: transformers')
     total_steps = args.num_updates * args.num_iterations * args.num_mini_batches
     warmup, low = args.warmup_of(total_steps), args.min_lr_rate

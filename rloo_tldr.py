@@ -169,7 +169,6 @@ def main(args):
     # no KL in the reward and one pass over one mini-batch: the update's own logprobs, detached, are the rollout policy's
     # (it takes its only step after reading them), so the rollout skips that forward pass (grpo.py's on_policy)
     skip_pass = args.kl_coef == 0 and args.kl_estimator != "full" and args.num_ppo_epochs == args.num_mini_batches == 1
-
     # the learning rate's schedule (--lr_scheduler_type, --warmup_steps: transformers'), stepping with each optimiser
     # step, as TRL 1.16's RLOOTrainer, or with each update (lr_per_update, the TL;DR script's: TRL 0.x's)
     total_steps = args.num_updates * (1 if args.lr_per_update else args.num_ppo_epochs * args.num_mini_batches)
