@@ -6,9 +6,12 @@
 # graphs' capture), peak GPU memory (nvidia-smi, sampled twice a second), and decode_bound.py's step against its bound.
 # In order of what matters most, each step cut to the budget left (BUDGET_S, default 420):
 #   0.5B: the decoding step, rloo.py | RLOOTrainer, grpo.py | GRPOTrainer;  1.5B: the decoding step, rloo.py |
-#   RLOOTrainer;  then distill.py | DistillationTrainer at 0.5B (distill_trl.py, both sides).
+#   RLOOTrainer;  then distill.py | DistillationTrainer at 0.5B (distill_trl.py, both sides); then grpo.py | GRPOTrainer
+#   at 1.5B.
 # Usage, from the repository's root with .gpu/ as benchmark/gpu/h100_distill.sh says (its wheels and vaderSentiment's):
 #   bash benchmark/gpu/h200_shapes.sh OUT [--tiny]     (results: benchmark/results/gpu/shapes)
+# SHAPES="qwen2.5-1.5b" runs only that shape's steps (then distill.py's pair); UPDATES (default 3) updates a run;
+# RLOO_FLAGS are added to rloo.py's runs (--local_rollout_forward_batch_size 8: its rollout passes' memory and time).
 # --tiny with CUDA_VISIBLE_DEVICES= rehearses it on the CPU (tiny models, 8 tokens).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled \
@@ -55,21 +58,27 @@ peer() {  # peer NAME ALGO MODEL TIMEOUT
   rate $n $W/$n/metrics.jsonl
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> $S 2>&1
-for shape in qwen2.5-0.5b qwen2.5-1.5b; do
+for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b}; do
   [ $shape = qwen2.5-1.5b ] && ((BUDGET - SECONDS < 200)) && { echo "SKIP 1.5B (at ${SECONDS}s)" >> $S; break; }
   m=$W/$shape
   step build_$shape 90 $PY $G/build_model.py .gpu/smollm2_cfg $m --shape $shape $TINY
   step decode_$shape 60 $PY $G/decode_bound.py $m 64 $L
   grep -E "measured|parameters|a step|peak" $W/logs/decode_$shape.log >> $S
   t=$([ $shape = qwen2.5-0.5b ] && echo 1 || echo 2)
-  ours rloo_$shape rloo.py $m $((75 * t)) --rloo_k 4
+  ours rloo_$shape rloo.py $m $((75 * t)) --rloo_k 4 ${RLOO_FLAGS:-}
   peer rloo_trl_$shape rloo $m $((110 * t))
   [ $shape = qwen2.5-1.5b ] && break
   ours grpo_$shape grpo.py $m 75 --num_generations 4
   peer grpo_trl_$shape grpo $m 110
 done
-step distill_qwen2.5-0.5b 150 $PY benchmark/distill/distill_trl.py --model $W/qwen2.5-0.5b --teacher $W/qwen2.5-0.5b \
+[ -d $W/qwen2.5-0.5b ] || step build_qwen2.5-0.5b 90 $PY $G/build_model.py .gpu/smollm2_cfg $W/qwen2.5-0.5b \
+  --shape qwen2.5-0.5b $TINY
+step distill_qwen2.5-0.5b 240 $PY benchmark/distill/distill_trl.py --model $W/qwen2.5-0.5b --teacher $W/qwen2.5-0.5b \
   --trl_python $PY --output $W/distill --updates $U --no_eval $BF16 --per_device 8 --accumulation 8 --length $L
 tail -n 14 $W/logs/distill_qwen2.5-0.5b.log >> $S
+if [ -d $W/qwen2.5-1.5b ]; then  # grpo.py's pair at 1.5B last, in what time is left
+  ours grpo_qwen2.5-1.5b grpo.py $W/qwen2.5-1.5b 150 --num_generations 4
+  peer grpo_trl_qwen2.5-1.5b grpo $W/qwen2.5-1.5b 220
+fi
 tar -czf $O/logs.tgz -C $W logs $(cd $W && ls -d */metrics.jsonl distill/*/summary.json 2>/dev/null) 2>/dev/null
 cat $S
