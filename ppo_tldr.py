@@ -220,7 +220,7 @@ def main(args):
             # reference's logprobs, a chunk of rows at a time
             unwrapped = accelerator.unwrap_model(model)
             logprobs, ref_logprobs, full_kls, values = [], [], [], []
-            for rows, query_response, mask, response in utils.rollout_chunks(batch, batch.chunk):
+            for rows, query_response, mask, response in utils.rollout_chunks(batch, unwrapped.policy):
                 logits, value = unwrapped(query_response, mask, logits_to_keep=response.shape[1] + 1)
                 logits = logits[:, :-1]
                 logprobs.append(utils.logprobs_from_logits(logits, response, args.temperature))

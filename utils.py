@@ -517,9 +517,17 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None, std_eps=None):
 # an update: the rollout's forward passes, its mini-batches, its statistics
 
 
-def rollout_chunks(batch, chunk):
-    """An infra.rollout.Batch's rows, chunk at a time, each chunk only as wide as its longest completion: (rows,
+LOGITS_BUDGET = 1 << 30  # the most logits a rollout pass holds at once (4 GiB in float32)
+
+
+def rollout_chunks(batch, model, width=None):
+    """An infra.rollout.Batch's rows, batch.chunk at a time (--local_rollout_forward_batch_size), fewer (whole groups,
+    one at least) where a chunk's logits over the model's vocabulary, `width` positions wide (the batch's), would pass
+    LOGITS_BUDGET (a 150k vocabulary at 512 tokens: 12 rows), each chunk only as wide as its longest completion: (rows,
     query_responses, attention mask, responses) per chunk."""
+    width = width or batch.query_responses.shape[1]
+    fit = LOGITS_BUDGET // (width * model.config.get_text_config().vocab_size)
+    chunk = min(batch.chunk, max(batch.group, fit // batch.group * batch.group))
     for i in range(0, len(batch.lengths), chunk):
         rows = slice(i, i + chunk)
         end = batch.context_length + int(batch.lengths[rows].max())
@@ -533,7 +541,7 @@ def rollout_logprobs(model, batch, temperature):
     (rows, width), INVALID_LOGPROB on padding; each prompt run once for its completions where the batch's chunks allow
     (forward_grouped)."""
     logprobs = []
-    for rows, query_response, mask, response in rollout_chunks(batch, batch.chunk):
+    for rows, query_response, mask, response in rollout_chunks(batch, model):
         logits = forward_grouped(model, query_response, mask, batch.context_length, batch.group, response.shape[1] + 1)
         logprobs.append(logprobs_from_logits(logits[:, :-1], response, temperature))
         del logits  # (chunk, width, vocab): freed before the next chunk allocates its own
@@ -545,7 +553,8 @@ def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
     """The exact KL(policy || reference) at every completion token of the batch (full_kl; 0 on padding), chunk by chunk.
     ref_policy None: the policy without its LoRA adapters; ref_batch: the batch as the reference reads it (None: batch)."""
     kls, ref_batch = [], ref_batch or batch
-    chunks = zip(rollout_chunks(batch, batch.chunk), rollout_chunks(ref_batch, batch.chunk))
+    width = max(batch.query_responses.shape[1], ref_batch.query_responses.shape[1])  # the same rows in both
+    chunks = zip(rollout_chunks(batch, policy, width), rollout_chunks(ref_batch, policy, width))
     for (_, query_response, mask, response), (_, ref_query, ref_mask, _) in chunks:
         width = response.shape[1] + 1
         logits = forward_grouped(policy, query_response, mask, batch.context_length, batch.group, width)[:, :-1]

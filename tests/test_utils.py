@@ -398,6 +398,46 @@ def test_forward_grouped_runs_rows_in_full_under_a_shorter_sliding_window(tiny_l
         assert shapes == [expected]
 
 
+def test_rollout_passes_hold_at_most_the_logits_budget(tiny_lm, monkeypatch):
+    """The rollout's logprob and KL passes take --local_rollout_forward_batch_size rows at a time, fewer (whole groups)
+    where a chunk's logits would pass utils.LOGITS_BUDGET (a 150k vocabulary at 512 tokens), with the same values; the
+    KL pass cuts the policy's and the reference's batches (of other widths) at the same rows."""
+    import types
+
+    _, tok = tiny_lm
+    model, vocab = tiny_llama(tok, "sdpa").eval(), len(tok)
+    k, prompts, width = 2, 4, 5
+    queries = torch.randint(1, vocab, (prompts * k, 3), generator=torch.Generator().manual_seed(1))
+    responses = torch.randint(1, vocab, (prompts * k, width), generator=torch.Generator().manual_seed(2))
+
+    def batch(queries):
+        seqs, lengths = torch.cat([queries, responses], 1), torch.tensor([5, 2, 4, 1, 5, 3, 5, 4])
+        return types.SimpleNamespace(
+            lengths=lengths,
+            context_length=queries.shape[1],
+            query_responses=seqs,
+            attention_mask=torch.ones_like(seqs),
+            chunk=8,
+            group=k,
+            sampled=torch.arange(width)[None, :] < lengths[:, None],
+        )
+
+    rows = []  # the rows each pass's model call holds logits for: one packed row per prompt
+    model.register_forward_pre_hook(lambda _, a, kw: rows.append(kw["input_ids"].shape[0] * k), with_kwargs=True)
+    a, b = batch(queries), batch(torch.cat([queries, queries[:, :2]], 1))  # the reference reads a wider prompt
+    whole = utils.rollout_logprobs(model, a, 0.9), utils.rollout_full_kl(model, model, a, 0.9, ref_batch=b)
+    assert rows == [8, 8, 8]
+    rows.clear()
+    monkeypatch.setattr(utils, "LOGITS_BUDGET", 32 * vocab)  # 4 rows of 8 positions (two groups), 3 of the KL's 10
+    cut = utils.rollout_logprobs(model, a, 0.9), utils.rollout_full_kl(model, model, a, 0.9, ref_batch=b)
+    assert rows == [4] * 2 + [2] * 8  # logprobs: two groups a pass; the KL: one group, the policy's then the reference's
+    torch.testing.assert_close(cut, whole)
+    monkeypatch.setattr(utils, "LOGITS_BUDGET", 1)  # nothing fits: a group at a time still
+    rows.clear()
+    utils.rollout_logprobs(model, a, 0.9)
+    assert rows == [2] * 4
+
+
 def test_sample_tokens_follows_the_tempered_distribution():
     logits = torch.tensor([[2.0, 0.0, -1.0, 1.0, -30.0]])
     n = 200_000
