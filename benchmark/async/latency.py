@@ -39,7 +39,7 @@ if __name__ == "__main__":
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2], help="the sides sampling ahead, beside 0")
-    parser.add_argument("--model", default=harness.SMOLLM2)
+    parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "async", "latency"))
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")

@@ -50,20 +50,6 @@ SYSTEMS = {"rloo": ["rloo.py", "trl"], "grpo": ["grpo.py", "trl"], "ppo": ["ppo.
 K, PROMPTS = 4, 4  # completions per prompt, prompts per update
 
 
-def convert(name, folder):
-    """The model as a plain transformers folder, so that TRL (which loads its reference model by path) and our
-    scripts read the same weights."""
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
-    from transformers import AutoModelForCausalLM
-
-    from infra.models import load_pretrained, load_tokenizer  # noqa: E402
-
-    load_pretrained(AutoModelForCausalLM, name).save_pretrained(folder)
-    load_tokenizer(name).save_pretrained(folder)
-    return folder
-
-
 def command(system, algo, model, task, seed, updates, run_dir, peer_checkpointing, gpu, data=None):
     """a run's command line; data: its prompts (default: the task's)"""
     data, reward = data or TASKS[task][0], TASKS[task][1]
@@ -143,7 +129,7 @@ if __name__ == "__main__":
     if os.path.exists(os.path.join(args.model, "config.json")):
         model = os.path.abspath(args.model)
     else:  # a package or a GGUF file: converted once, into a folder named after it
-        model = convert(args.model, os.path.join(harness.MODELS, os.path.basename(args.model.rstrip("/"))))
+        model = harness.convert(args.model, os.path.join(harness.MODELS, os.path.basename(args.model.rstrip("/"))))
 
     memory = {}  # (system, seed) -> peak resident MiB of this invocation's runs
     if os.path.exists(os.path.join(args.out, "memory.json")):

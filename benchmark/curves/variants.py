@@ -86,7 +86,7 @@ if __name__ == "__main__":
     parser.add_argument("--updates", type=int, default=24, help="updates of 16 completions per run")
     parser.add_argument("--eval_every", type=int, default=96, help="episodes between held-out evaluations")
     parser.add_argument("--variants", nargs="+", default=["grpo", "gspo", "dynamic"], choices=list(VARIANTS))
-    parser.add_argument("--model", default=harness.SMOLLM2)
+    parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
     parser.add_argument("--rerun", action="store_true", help="run again even where complete metrics exist")
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "curves", "variants_arithmetic"))
     args = parser.parse_args()

@@ -46,7 +46,7 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--updates", type=int, default=12, help="updates of 16 completions per run")
     parser.add_argument("--eval_every", type=int, default=64)
-    parser.add_argument("--model", default=harness.SMOLLM2)
+    parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "distill", "demo"))
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")

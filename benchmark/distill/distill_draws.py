@@ -51,7 +51,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--variant", choices=VARIANTS)
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument("--table", action="store_true", help="print the results so far")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--teacher", default=harness.DISTILL_TEACHER)
 parser.add_argument("--output", default=os.path.join(harness.RESULTS, "distill", "draws"))
 cli = parser.parse_args()

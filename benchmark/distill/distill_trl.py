@@ -30,7 +30,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument("--updates", type=int, default=12)
 parser.add_argument("--trl_python", default=sys.executable, help="a Python with trl==1.16.0 beside requirements.txt")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--teacher", default=harness.DISTILL_TEACHER)
 parser.add_argument("--output", default=os.path.join(harness.RESULTS, "distill", "trl"))
 parser.add_argument("--per_device", type=int, default=8, help="completions per pass (per_device_train_batch_size)")

@@ -66,7 +66,7 @@ if __name__ == "__main__":
     parser.add_argument("--updates", type=int, default=24, help="updates of 16 episodes per run")
     parser.add_argument("--eval_every", type=int, default=384, help="episodes between the calculator's evaluations")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--model", default=harness.SMOLLM2)
+    parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
     parser.add_argument("--rerun", action="store_true", help="run again even where complete metrics exist")
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "environments", "curves"))
     args = parser.parse_args()

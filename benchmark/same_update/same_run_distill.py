@@ -40,7 +40,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--seed", type=int, default=1, help="picks the prompts' order and the sampling noise")
 parser.add_argument("--updates", type=int, default=12)
 parser.add_argument("--beta", type=float, default=1.0, help="the generalised JSD's beta on both sides (0, 0.5, 1)")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--teacher", default=harness.DISTILL_TEACHER)
 cli = parser.parse_args()
 if not os.path.exists(os.path.join(cli.teacher, "config.json")):

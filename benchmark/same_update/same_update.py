@@ -47,7 +47,7 @@ from utils import (  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the prompts and the sampling noise, as grpo.py's")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--out", default="/tmp/same_update", help="TRL's output_dir (nothing is saved there)")
 parser.add_argument("--loss_type", default="dapo", choices=["grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 parser.add_argument("--epsilon_high", type=float, default=None, help="None: the clip's 0.2 (cispo: its cap)")

@@ -40,7 +40,7 @@ from utils import forward_grouped, logprobs_from_logits  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the prompts and the sampling noise")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--teacher", default=harness.DISTILL_TEACHER)
 parser.add_argument("--beta", type=float, default=1.0, help="the generalised JSD's beta on both sides (0, 0.5, 1)")
 parser.add_argument("--out", default="/tmp/same_update_distill", help="TRL's output_dir (nothing is saved there)")

@@ -58,7 +58,7 @@ parser.add_argument("--loss_type", choices=["kto", "apo_zero_unpaired"], default
 parser.add_argument("--beta", type=float, default=0.1)
 parser.add_argument("--desirable_weight", type=float, default=1.0)
 parser.add_argument("--undesirable_weight", type=float, default=1.0)
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--learning_rate", type=float, default=1e-6)
 parser.add_argument("--noise", type=float, default=0.02, help="the policy's distance from the reference (0: none)")
 cli = parser.parse_args()

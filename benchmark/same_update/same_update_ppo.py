@@ -70,7 +70,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the prompts, the sampling noise, the weight noise and head")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--noise", type=float, default=0.02, help="the policy's distance from the reference (0: none)")
 parser.add_argument("--kl_coef", type=float, default=0.05)
 parser.add_argument("--kl_estimator", default="k1", choices=["k1", "k3"])

@@ -78,7 +78,7 @@ parser.add_argument("--seed", type=int, default=1, help="picks the batch (reward
 parser.add_argument(
     "--format", choices=["chat", "string", "empty_prompt", "implicit"], default="chat", help="the pairs' format"
 )
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--learning_rate", type=float, default=1e-4)
 parser.add_argument("--center_rewards_coefficient", type=float, default=0.01)
 parser.add_argument("--trl_pad_token", default=None, help="TRL's pad token (RewardConfig.pad_token; default: the EOS)")

@@ -79,7 +79,7 @@ from utils import (  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the prompts, the sampling noise and the weight noise")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--kl_coef", type=float, default=0.05, help="rloo.py's --kl_coef, TRL's beta")
 parser.add_argument("--noise", type=float, default=0.02, help="the policy's distance from the reference (0: none)")
 parser.add_argument("--normalize_advantage", action="store_true", help="ours and TRL's normalize_advantages")

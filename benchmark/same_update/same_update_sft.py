@@ -57,7 +57,7 @@ from benchmark import harness  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--seed", type=int, default=1, help="picks the batch (sft.py's draw) and its order")
 parser.add_argument("--format", choices=["string", "chat", "messages"], default="string", help="the rows' format")
-parser.add_argument("--model", default=harness.SMOLLM2)
+parser.add_argument("--model", default=harness.SMOLLM2, type=harness.model_folder)
 parser.add_argument("--learning_rate", type=float, default=2e-5)
 parser.add_argument("--loss_type", choices=["nll", "dft"], default="nll", help="dft: each token's NLL times its probability")
 parser.add_argument("--packing", choices=["bfd", "bfd_split", "wrapped"], default=None, help="TRL's packing_strategy")

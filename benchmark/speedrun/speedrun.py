@@ -79,7 +79,7 @@ if __name__ == "__main__":
     out = os.path.abspath(args.out or os.path.join(harness.RESULTS, "speedrun", args.task))
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    model = curves.convert(args.model, os.path.join(harness.MODELS, os.path.basename(args.model.rstrip("/"))))
+    model = harness.convert(args.model, os.path.join(harness.MODELS, os.path.basename(args.model.rstrip("/"))))
     train, held = split(args.task, out)
     evals = args.updates // args.eval_every + 1 + bool(args.updates % args.eval_every)  # before, every, at the end
 
