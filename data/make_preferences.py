@@ -1,9 +1,10 @@
-"""Writes preferences.jsonl and preferences_test.jsonl into FOLDER (default: data/, the shipped files): offline preference pairs for the shipped prompts
-(data/prompts.jsonl, the last 64 held out), in TRL's conversational format with an explicit prompt. Each prompt gets two
-completions sampled from SmolLM2-135M-Instruct (temperature 1.0, at most 48 new tokens); the VADER compound sentiment
-score stands in for a human labeller, the higher one `chosen`. A pair that is tied, identical or has an empty side is
-drawn again (up to 4 tries, then the prompt is skipped), so every row is a real preference. Seeded, so the files rebuild
-the same on the same machine (sampling is not bit-identical across hardware or library versions); a few minutes on a CPU:
+"""Writes preferences.jsonl and preferences_test.jsonl into FOLDER (default: data/, the shipped files): offline
+preference pairs for the shipped prompts (data/prompts.jsonl, the last 64 held out), in TRL's conversational format with
+an explicit prompt. Each prompt gets two completions sampled from SmolLM2-135M-Instruct (temperature 1.0, at most 48 new
+tokens); the VADER compound sentiment score stands in for a human labeller, the higher one `chosen`. A pair that is
+tied, identical or has an empty side is drawn again (up to 4 tries, then the prompt is skipped), so every row is a real
+preference. Seeded, so the files rebuild the same on the same machine (sampling is not bit-identical across hardware or
+library versions); a few minutes on a CPU:
 
     python data/make_preferences.py [FOLDER]
 """
