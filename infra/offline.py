@@ -5,6 +5,7 @@ held-out set, and the model as loaded. A reward model's input is rendered here b
 """
 
 import math
+import os
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -17,7 +18,7 @@ from utils import die, init_value_head
 from .data import Shuffled, check_paths, note, read_dataset
 from .flags import json_object, set_config
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
-from .packing import cut
+from .packing import cut, shares
 from .render import (
     assistant_mask,
     check_row,
@@ -282,6 +283,10 @@ def read_examples(args, pairs=False, labelled=False, select=None, **rendering):
         ds = read_dataset(name, split) if name else None
         ds = select(ds) if select is not None and ds is not None and not loaded else ds  # (the training rows only)
         loaded.append(rows_of(tokenizer, ds, where, args.max_length, **rendering) if name else None)
+    processes = int(os.environ.get("WORLD_SIZE", 1))  # (accelerate launch's)
+    if loaded[1] and not all(all(share) for share in shares(len(loaded[1]), processes, args.eval_batch_size)):
+        die(f"the held-out set's {len(loaded[1])} rows do not give each of the {processes} processes as many micro-batches "
+            f"(of at most --eval_batch_size {args.eval_batch_size}) as the others: more rows, or fewer processes")  # fmt: skip
     return Rows(tokenizer, loaded[0], loaded[1], pairs or labelled)
 
 
@@ -339,12 +344,10 @@ class Examples:
         yield from self.in_order(self.rows, size)
 
     def in_order(self, rows, size=None):
-        if rows is None:
-            return
-        accelerator, size = self.run.accelerator, size or self.run.args.eval_batch_size
-        mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
-        for i in range(0, len(mine), size):
-            yield self.collate(mine[i : i + size], rows)
+        if rows is not None:
+            accelerator, size = self.run.accelerator, size or self.run.args.eval_batch_size
+            for part in shares(len(rows), accelerator.num_processes, size)[accelerator.process_index]:
+                yield self.collate(part, rows) if part else die("a process has no rows for its micro-batch: see shares()")
 
     def collate(self, index, rows=None):
         rows = self.rows if rows is None else rows

@@ -1,8 +1,10 @@
 """sft.py's examples packed (TRL's packing): rows of --max_length tokens, each holding whole examples (bfd: best fit
 decreasing, an example's tokens past --max_length dropped; bfd_split: split into pieces that fit) or a stretch of the
-examples' tokens laid end to end (wrapped); and a micro-batch's rows run without their padding (forward_packed)."""
+examples' tokens laid end to end (wrapped); and a micro-batch's rows run without their padding (forward_packed). Also
+the rows in order among the processes, in as many micro-batches on each (shares)."""
 
 import bisect
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -155,3 +157,16 @@ def forward_packed(model, input_ids, attention_mask, wanted, hidden=False):
         logits = model(input_ids=ids, attention_mask=attention, position_ids=places, logits_to_keep=keep).logits
     places_in_order = where[:, 0] * width + packed_cols
     return logits[torch.searchsorted(places_in_order.sort().values, places_in_order)]  # (wanted, vocab)
+
+
+def shares(n, processes, size):
+    """n rows in order among the processes, each share in as many micro-batches of at most size rows as the largest
+    share's (a forward pass under DDP or ZeRO-3 is a collective: a process with fewer passes would leave the others
+    waiting for ever), cut evenly where size would make fewer: per process, its micro-batches' rows (one empty where
+    a share has fewer rows than micro-batches)."""
+    count, out = math.ceil(math.ceil(n / processes) / size), []
+    for mine in (list(range(p, n, processes)) for p in range(processes)):
+        ends = range(0, len(mine) + size, size) if math.ceil(len(mine) / size) == count else None
+        ends = ends or [len(mine) * i // count for i in range(count + 1)]
+        out.append([mine[a:b] for a, b in zip(ends, ends[1:])])
+    return out

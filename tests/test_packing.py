@@ -179,3 +179,23 @@ def test_reward_padding_free_takes_the_padded_step(run, tmp_path, tiny_model_dir
     a, b = load_file(outs[0] / "model.safetensors"), load_file(outs[1] / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shares_give_every_process_as_many_micro_batches(seed):
+    """Every row once, each process's in order (round robin), micro-batches of at most size, as many on every process;
+    where plain cuts of size already give that, those cuts."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        n, processes, size = rng.randint(1, 40), rng.randint(1, 4), rng.randint(1, 9)
+        got = packing.shares(n, processes, size)
+        plain = [
+            [mine[i : i + size] for i in range(0, len(mine), size)]
+            for mine in (list(range(p, n, processes)) for p in range(processes))
+        ]
+        assert len({len(share) for share in got}) == 1
+        for p, share in enumerate(got):
+            assert [i for part in share for i in part] == list(range(p, n, processes))
+            assert all(len(part) <= size for part in share)
+        if len({len(share) for share in plain}) == 1:
+            assert got == plain

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, kill_after_rows, with_chat_template
 from safetensors.torch import load_file
-from test_distributed import launch
+from test_distributed import launch, shipped_config
 from test_reliability import without_eps
 from test_rloo import check_ok, read_metrics
 
@@ -689,6 +689,37 @@ def test_two_processes_match_one(script, run, tmp_path, tiny_model_dir, data):
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("script, config", [("sft.py", "zero3"), ("dpo.py", "plain")])
+def test_two_processes_evaluate_a_held_out_set_that_splits_unevenly(script, config, run, tmp_path, tiny_model_dir, data):
+    """5 held-out rows in micro-batches of 2: one process holds 3 (2 micro-batches), the other 2, cut into 2 micro-
+    batches too, since each forward pass under ZeRO-3 is a collective (the run waited for ever at its first
+    evaluation); sft.py's held-out metrics (sums over the rows) are one process's. One held-out row leaves a process
+    none (the run waited for ever, under plain DDP too): one line, before anything is written."""
+    held_out = {"sft.py": data["sft_test"], "dpo.py": data["pairs_test"]}[script]
+    with open(held_out) as f:
+        lines = f.readlines()
+    for n in (5, 1):
+        (tmp_path / f"held_out{n}.jsonl").write_text("".join(lines[:n]))
+
+    def args(out, n, accumulate=2):
+        extra = "--total_episodes 16 --learning_rate 1e-3 --eval_batch_size 2 --eval_every 8"
+        line = small(script, tiny_model_dir, data, out, extra).replace(str(held_out), str(tmp_path / f"held_out{n}.jsonl"))
+        return line.replace("--gradient_accumulation_steps 2", f"--gradient_accumulation_steps {accumulate}")
+
+    check_ok(run(args(tmp_path / "one", 5), cwd=tmp_path))
+    proc = launch(2, script, args(tmp_path / "two", 5, 1).split(" ", 1)[1], tmp_path, shipped_config(config, 2, tmp_path))
+    check_ok(proc)
+    rows_one, rows_two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    evals = [[r for r in rows if any(k.startswith("eval/") for k in r)] for rows in (rows_one, rows_two)]
+    assert len(evals[0]) == len(evals[1]) == 3  # at the start, after 8 and 16 episodes
+    if script == "sft.py":
+        for a, b in zip(*evals):
+            assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-4)
+    proc = launch(2, script, args(tmp_path / "none", 1, 1).split(" ", 1)[1], tmp_path)
+    assert proc.returncode != 0 and not (tmp_path / "none").exists()
+    assert "error: the held-out set's 1 rows do not give each of the 2 processes as many micro-batches" in proc.stderr
 
 
 @pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py", "ilql.py"])
