@@ -220,6 +220,15 @@ def main(args):
     reference = not set(types) <= set(REFERENCE_FREE)  # (SimPO, CPO, ORPO and SFT read the policy alone)
     if args.sync_ref_model and not reference:
         utils.die(f"--sync_ref_model moves a reference, which --loss_type {' '.join(types)} does not load")
+    # flags set away from their defaults that these losses would not read (ld_alpha: only the logged metrics)
+    unread = [flag for flag, given, read in [
+        ("ld_alpha", args.ld_alpha is not None, reference),
+        ("precompute_ref_log_probs", args.precompute_ref_log_probs, reference),
+        ("simpo_gamma", args.simpo_gamma != 0.5, "simpo" in types),
+        ("cpo_alpha", args.cpo_alpha != 1.0, "cpo" in types),
+    ] if given and not read]  # fmt: skip
+    if unread:
+        utils.die(f"--{unread[0]} is not read by --loss_type {' '.join(types)}")
     if args.precompute_ref_log_probs and (args.eval_dataset_name or args.sync_ref_model):
         utils.die("--precompute_ref_log_probs frees the reference, which the held-out evaluation and --sync_ref_model need")
     infra.at_least(args, 1, "precompute_ref_batch_size")

@@ -189,13 +189,17 @@ def sample(model, tokenizer, prompts, args, response_length=48):
     return [t.strip() for t in tokenizer.batch_decode(tokens, skip_special_tokens=True)]
 
 
-def load(folder, two_qs=True):
-    """A saved run's ILQLModel: the model (AutoModelForCausalLM) and its heads (ilql_heads.safetensors)"""
+def load(folder):
+    """A saved run's ILQLModel: the model (AutoModelForCausalLM) and its heads (ilql_heads.safetensors), as many Q
+    heads as the run trained (--two_qs), every one of them read from the file"""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = ILQLModel(AutoModelForCausalLM.from_pretrained(folder), two_qs)
-    model.load_state_dict(load_file(f"{folder}/{ILQLModel.heads_file}"), strict=False)
+    heads = load_file(f"{folder}/{ILQLModel.heads_file}")
+    model = ILQLModel(AutoModelForCausalLM.from_pretrained(folder), two_qs=any(k.startswith("q_heads.1.") for k in heads))
+    missing, unexpected = model.load_state_dict(heads, strict=False)  # (the policy's weights are the model's own)
+    if unexpected or [k for k in missing if not k.startswith("policy.")]:
+        raise ValueError(f"{folder}/{ILQLModel.heads_file} does not match ILQL's heads: {unexpected or missing}")
     return model.eval()
 
 

@@ -96,6 +96,8 @@ def kto_loss(logratios, z, desirable, args):
 def main(args):
     if args.beta <= 0 or args.desirable_weight < 0 or args.undesirable_weight < 0:
         utils.die("--beta must be positive, --desirable_weight and --undesirable_weight at least 0")
+    if args.desirable_weight == args.undesirable_weight == 0:
+        utils.die("--desirable_weight and --undesirable_weight are both 0: the loss would be 0")
     kl = args.loss_type == "kto"  # (apo_zero_unpaired needs no reference point)
     if kl and args.per_device_train_batch_size < 2:
         utils.die("--loss_type kto estimates its KL on each micro-batch: --per_device_train_batch_size must be at least 2")
@@ -106,6 +108,9 @@ def main(args):
     # each example's mismatched completion for the KL, fixed once as TRL pairs them (labelled_rows, infra/offline.py)
     rows = infra.read_examples(args, labelled=True, block=args.per_device_train_batch_size if kl else None)
     run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
+    desirable = sum(bool(r["label"]) for r in rows.train)  # (TRL warns of an imbalance; here one kind is missing)
+    if desirable in (0, len(rows.train)) and run.accelerator.is_main_process:
+        print(f"note: every training example is {'desirable' if desirable else 'undesirable'}: the loss sees one kind")
     data = infra.load_examples(run, rows)  # their batches, each example's prompt once then its completion(s)
     policy, ref_policy = infra.load_model(run, reference=True)
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as

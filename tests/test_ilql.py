@@ -188,3 +188,21 @@ def test_lora_in_bf16_trains_the_adapters_and_heads_and_its_folder_loads(run, tm
     ids = torch.tensor([[5, 6, 7, 8]])
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.allclose(model.policy(ids).logits, base(ids).logits)
+
+
+def test_load_reads_as_many_q_heads_as_the_run_trained(run, tmp_path, tiny_model_dir):
+    """ilql.load of a --no_two_qs run: one Q head (and its target), each read from the file, none left random; a file
+    of other heads is refused"""
+    from safetensors.torch import load_file, save_file
+
+    path, out = write(tmp_path / "scored.jsonl", scored_rows()), tmp_path / "out"
+    flags = "--total_episodes 16 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --no_two_qs"
+    check_ok(run(f"ilql.py --model_name_or_path {tiny_model_dir} --dataset_name {path} {flags} --output_dir {out}", tmp_path))
+    model, heads = ilql.load(out), load_file(out / "ilql_heads.safetensors")
+    assert len(model.q_heads) == len(model.target_q_heads) == 1
+    state = model.state_dict()
+    assert heads.keys() == {k for k in state if not k.startswith("policy.")}
+    assert all(torch.equal(state[k], heads[k]) for k in heads)
+    save_file({**heads, "extra.weight": torch.zeros(1)}, out / "ilql_heads.safetensors")
+    with pytest.raises(ValueError, match="does not match ILQL's heads"):
+        ilql.load(out)

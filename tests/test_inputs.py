@@ -41,7 +41,9 @@ ALLOWED_IN = {
     ("ilql.py", "temperature"): [0.0],
     ("raft.py", "min_score"): [-1.0, 0.0],
 }  # (DPO's and KTO's beta divide: it must be positive)
-WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True}}  # the flags a check needs beside the probe
+# the flags a check needs beside the probe
+WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True},
+        "simpo_gamma": {"loss_type": ("simpo",)}, "cpo_alpha": {"loss_type": ("cpo",)}}  # fmt: skip
 # (the deprecated flag, and TRL's name, set the other)
 NAMED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max", "num_generations_eval": "num_eval_generations"}
 

@@ -129,6 +129,17 @@ def test_kto_learns_the_labelled_completions(run, tmp_path, tiny_model_dir, kto_
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_one_kind_of_example_alone_is_noted(run, tmp_path, tiny_model_dir):
+    """Every example desirable: the run trains (TRL's does, with a warning of the imbalance) and says so in one note."""
+    path = write(tmp_path / "good.jsonl", [r for r in unpaired(16) if r["label"]])
+    out = tmp_path / "out"
+    proc = run(
+        f"kto.py --model_name_or_path {tiny_model_dir} --dataset_name {path} --total_episodes 16 --output_dir {out}", tmp_path
+    )
+    check_ok(proc)
+    assert "note: every training example is desirable: the loss sees one kind" in proc.stdout
+
+
 def test_precomputed_reference_logprobs_give_the_live_runs_numbers(run, tmp_path, tiny_model_dir, kto_data):
     """--precompute_ref_log_probs (the reference freed, the mismatched completions' logprobs kept too) against the live
     reference: the same metrics"""

@@ -769,6 +769,31 @@ def test_bad_data_stops_in_one_line_before_any_work(script, rows, error, run, tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "script, flags, error",
+    [
+        ("dpo.py", "--loss_type simpo --ld_alpha 0.3", "--ld_alpha is not read by --loss_type simpo"),
+        (
+            "dpo.py",
+            "--loss_type orpo cpo --precompute_ref_log_probs",
+            "--precompute_ref_log_probs is not read by --loss_type orpo cpo",
+        ),
+        ("dpo.py", "--simpo_gamma 2", "--simpo_gamma is not read by --loss_type sigmoid"),
+        ("dpo.py", "--loss_type simpo --cpo_alpha 3", "--cpo_alpha is not read by --loss_type simpo"),
+        ("kto.py", "--desirable_weight 0 --undesirable_weight 0", "are both 0: the loss would be 0"),
+    ],
+)
+def test_flags_that_the_losses_would_not_read_are_refused(script, flags, error, run, tmp_path, tiny_model_dir, data):
+    """A flag set that the chosen losses do not read (LD-DPO's weight with reference-free losses only changed the
+    logged metrics) stops in one line before any work."""
+    out = tmp_path / "out"
+    proc = run(small(script, tiny_model_dir, data, out, flags), cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and error in last
+    assert not out.exists()
+
+
 def test_rlhf_from_preferences_reward_py_then_rloo_py(run, tmp_path, chat_model_dir, data):
     """reward.py on chat pairs, then rloo.py with that model as --reward_model_path: its scores are the reward model's
     on the rendered conversation, less the saved offset."""
