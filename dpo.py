@@ -225,10 +225,15 @@ def main(args):
         ("ld_alpha", args.ld_alpha is not None, reference),
         ("precompute_ref_log_probs", args.precompute_ref_log_probs, reference),
         ("simpo_gamma", args.simpo_gamma != 0.5, "simpo" in types),
-        ("cpo_alpha", args.cpo_alpha != 1.0, "cpo" in types),
+        ("cpo_alpha", args.cpo_alpha != 1.0, "cpo" in types or ("simpo" in types and args.cpo_alpha == 0)),
     ] if given and not read]  # fmt: skip
+    if unread == ["cpo_alpha"] and "simpo" in types:  # (simpo is TRL's CPOTrainer's at cpo_alpha 0)
+        utils.die(
+            f"--loss_type simpo reads no --cpo_alpha: CPO-SimPO is --loss_type simpo sft --loss_weights 1 {args.cpo_alpha}"
+        )
     if unread:
-        utils.die(f"--{unread[0]} is not read by --loss_type {' '.join(types)}")
+        why = "" if reference else " (it loads no reference)"
+        utils.die(f"--{unread[0]} is not read by --loss_type {' '.join(types)}{why}")
     if args.precompute_ref_log_probs and (args.eval_dataset_name or args.sync_ref_model):
         utils.die("--precompute_ref_log_probs frees the reference, which the held-out evaluation and --sync_ref_model need")
     infra.at_least(args, 1, "precompute_ref_batch_size")

@@ -520,13 +520,14 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None, std_eps=None):
 LOGITS_BUDGET = 1 << 30  # the most logits a rollout pass holds at once (4 GiB in float32)
 
 
-def rollout_chunks(batch, model, width=None):
+def rollout_chunks(batch, model):
     """An infra.rollout.Batch's rows, batch.chunk at a time (--local_rollout_forward_batch_size), fewer (whole groups,
-    one at least) where a chunk's logits over the model's vocabulary, `width` positions wide (the batch's), would pass
-    LOGITS_BUDGET (a 150k vocabulary at 512 tokens: 12 rows), each chunk only as wide as its longest completion: (rows,
-    query_responses, attention mask, responses) per chunk."""
-    width = width or batch.query_responses.shape[1]
-    fit = LOGITS_BUDGET // (width * model.config.get_text_config().vocab_size)
+    one at least) where a chunk's logits (its completions' positions and one more, over the model's vocabulary) would
+    pass LOGITS_BUDGET (a 150k vocabulary at 512 completion tokens: 12 rows), each chunk only as wide as its longest
+    completion: (rows, query_responses, attention mask, responses) per chunk."""
+    config = getattr(model, "module", model).config  # (a DeepSpeed engine's own .config is its settings)
+    width = batch.query_responses.shape[1] - batch.context_length + 1
+    fit = LOGITS_BUDGET // (width * config.get_text_config().vocab_size)
     chunk = min(batch.chunk, max(batch.group, fit // batch.group * batch.group))
     for i in range(0, len(batch.lengths), chunk):
         rows = slice(i, i + chunk)
@@ -553,8 +554,7 @@ def rollout_full_kl(policy, ref_policy, batch, temperature, ref_batch=None):
     """The exact KL(policy || reference) at every completion token of the batch (full_kl; 0 on padding), chunk by chunk.
     ref_policy None: the policy without its LoRA adapters; ref_batch: the batch as the reference reads it (None: batch)."""
     kls, ref_batch = [], ref_batch or batch
-    width = max(batch.query_responses.shape[1], ref_batch.query_responses.shape[1])  # the same rows in both
-    chunks = zip(rollout_chunks(batch, policy, width), rollout_chunks(ref_batch, policy, width))
+    chunks = zip(rollout_chunks(batch, policy), rollout_chunks(ref_batch, policy))  # (the same completions: rows)
     for (_, query_response, mask, response), (_, ref_query, ref_mask, _) in chunks:
         width = response.shape[1] + 1
         logits = forward_grouped(policy, query_response, mask, batch.context_length, batch.group, width)[:, :-1]

@@ -105,7 +105,7 @@ class RolloutArgs(Checked):
     """stop generating at this token id (overrides --stop_token)"""
     local_rollout_forward_batch_size: int = 64
     """completions generated and scored per forward pass in the rollout (its logprob passes take fewer where their
-    logits would pass 4 GiB: a 150k vocabulary at 512 tokens, 12)"""
+    logits would pass 4 GiB: a 150k vocabulary at 512 completion tokens, 12)"""
     use_vllm: bool = False
     """sample the rollouts with a vLLM engine in this process (TRL's colocate mode), given the policy's weights before
     each rollout; the trainer recomputes the logprobs it trains on and weighs each sample by importance sampling

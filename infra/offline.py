@@ -5,7 +5,6 @@ held-out set, and the model as loaded. A reward model's input is rendered here b
 """
 
 import math
-import os
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -18,7 +17,7 @@ from utils import die, init_value_head
 from .data import Shuffled, check_paths, note, read_dataset
 from .flags import json_object, set_config
 from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
-from .packing import cut, shares
+from .packing import check_shares, cut, shares
 from .render import (
     assistant_mask,
     check_row,
@@ -283,10 +282,7 @@ def read_examples(args, pairs=False, labelled=False, select=None, **rendering):
         ds = read_dataset(name, split) if name else None
         ds = select(ds) if select is not None and ds is not None and not loaded else ds  # (the training rows only)
         loaded.append(rows_of(tokenizer, ds, where, args.max_length, **rendering) if name else None)
-    processes = int(os.environ.get("WORLD_SIZE", 1))  # (accelerate launch's)
-    if loaded[1] and not all(all(share) for share in shares(len(loaded[1]), processes, args.eval_batch_size)):
-        die(f"the held-out set's {len(loaded[1])} rows do not give each of the {processes} processes as many micro-batches "
-            f"(of at most --eval_batch_size {args.eval_batch_size}) as the others: more rows, or fewer processes")  # fmt: skip
+    check_shares(args, loaded[0], loaded[1])  # (the passes over them in order)
     return Rows(tokenizer, loaded[0], loaded[1], pairs or labelled)
 
 
@@ -306,6 +302,7 @@ def load_references(run, name, split):
     where = f"dataset {name!r} (split {split!r})"
     ds, rule = read_dataset(name, split), dict(completion_only_loss=None, assistant_only_loss=False)
     rows = sft_rows(run.tokenizer, ds, where, run.args.max_length, **rule, what="completion token")
+    check_shares(run.args, None, None, references=rows)
     return Examples(run, rows, None, pairs=False)
 
 

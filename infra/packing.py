@@ -170,3 +170,23 @@ def shares(n, processes, size):
         ends = ends or [len(mine) * i // count for i in range(count + 1)]
         out.append([mine[a:b] for a, b in zip(ends, ends[1:])])
     return out
+
+
+def check_shares(args, train, held_out, references=None):
+    """One line, before any work, where the rows of a pass in order (shares) would leave a process fewer micro-batches
+    than the others: the held-out rows; the training rows of dpo.py's and kto.py's --precompute_ref_log_probs and of
+    reward.py's --normalize_rewards, or its --normalize_dataset_name rows (references)."""
+    from accelerate.utils import get_int_from_env
+
+    processes = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    passes = [(held_out, args.eval_batch_size, "held-out", "--eval_batch_size")]
+    if getattr(args, "precompute_ref_log_probs", False):
+        size = args.precompute_ref_batch_size or args.eval_batch_size
+        passes.append((train, size, "training", "--precompute_ref_batch_size"))
+    if getattr(args, "normalize_rewards", False):  # (the reference rows, read apart, or the training rows)
+        rows, what = (references, "reference") if args.normalize_dataset_name else (train, "training")
+        passes.append((rows, args.eval_batch_size, what, "--eval_batch_size"))
+    for rows, size, what, flag in passes:
+        if rows and not all(all(share) for share in shares(len(rows), processes, size)):
+            die(f"the {len(rows)} {what} rows do not give each of the {processes} processes as many micro-batches of at "
+                f"most {flag} {size} as the others: more rows, a larger {flag}, or fewer processes")  # fmt: skip

@@ -118,7 +118,7 @@ class TrainArgs(Checked):
     """with --use_peft, save the policy with the adapters merged into its weights, instead of the adapters alone"""
     ema_beta: Optional[float] = None
     """keep ema = ema_beta * ema + (1 - ema_beta) * policy weights after each optimiser step, saved to output_dir/ema
-    (LightRFT's EMA model); in [0, 1), None: off"""
+    (LightRFT's EMA model; the language model alone: not PPO's critic or ILQL's heads); in [0, 1), None: off"""
     ema_cpu: bool = False
     """with --ema_beta, hold the EMA weights in CPU memory instead of the accelerator's"""
     # to be filled in at runtime

@@ -41,9 +41,9 @@ ALLOWED_IN = {
     ("ilql.py", "temperature"): [0.0],
     ("raft.py", "min_score"): [-1.0, 0.0],
 }  # (DPO's and KTO's beta divide: it must be positive)
-# the flags a check needs beside the probe
+# the flags a check needs beside the probe (cpo_alpha 0 with simpo: pure SimPO, TRL's CPOTrainer at cpo_alpha 0)
 WITH = {"lora_r": {"use_peft": True}, "lora_alpha": {"use_peft": True},
-        "simpo_gamma": {"loss_type": ("simpo",)}, "cpo_alpha": {"loss_type": ("cpo",)}}  # fmt: skip
+        "simpo_gamma": {"loss_type": ("simpo",)}, "cpo_alpha": {"loss_type": ("simpo",)}}  # fmt: skip
 # (the deprecated flag, and TRL's name, set the other)
 NAMED = {"vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max", "num_generations_eval": "num_eval_generations"}
 

@@ -719,7 +719,16 @@ def test_two_processes_evaluate_a_held_out_set_that_splits_unevenly(script, conf
             assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-4)
     proc = launch(2, script, args(tmp_path / "none", 1, 1).split(" ", 1)[1], tmp_path)
     assert proc.returncode != 0 and not (tmp_path / "none").exists()
-    assert "error: the held-out set's 1 rows do not give each of the 2 processes as many micro-batches" in proc.stderr
+    assert "error: the 1 held-out rows do not give each of the 2 processes as many micro-batches" in proc.stderr
+    if script == "dpo.py":  # the pass over the training rows that precomputes the reference's logprobs, likewise
+        with open(data["pairs"]) as f:
+            (tmp_path / "train5.jsonl").write_text("".join(f.readlines()[:5]))
+        line = (
+            f"--model_name_or_path {tiny_model_dir} --dataset_name {tmp_path / 'train5.jsonl'} --output_dir {tmp_path / 'p'}"
+        )
+        proc = launch(2, script, line + " --precompute_ref_log_probs --precompute_ref_batch_size 1", tmp_path)
+        assert proc.returncode != 0 and not (tmp_path / "p").exists()
+        assert "error: the 5 training rows do not give each of the 2 processes" in proc.stderr
 
 
 @pytest.mark.parametrize("script", ["sft.py", "reward.py", "dpo.py", "kto.py", "ilql.py"])
@@ -772,14 +781,15 @@ def test_bad_data_stops_in_one_line_before_any_work(script, rows, error, run, tm
 @pytest.mark.parametrize(
     "script, flags, error",
     [
-        ("dpo.py", "--loss_type simpo --ld_alpha 0.3", "--ld_alpha is not read by --loss_type simpo"),
+        ("dpo.py", "--loss_type simpo --ld_alpha 0.3", "--ld_alpha is not read by --loss_type simpo (it loads no reference)"),
         (
             "dpo.py",
             "--loss_type orpo cpo --precompute_ref_log_probs",
             "--precompute_ref_log_probs is not read by --loss_type orpo cpo",
         ),
         ("dpo.py", "--simpo_gamma 2", "--simpo_gamma is not read by --loss_type sigmoid"),
-        ("dpo.py", "--loss_type simpo --cpo_alpha 3", "--cpo_alpha is not read by --loss_type simpo"),
+        ("dpo.py", "--loss_type simpo --cpo_alpha 3", "CPO-SimPO is --loss_type simpo sft --loss_weights 1 3.0"),
+        ("dpo.py", "--loss_type sft --ld_alpha 0.5", "--ld_alpha is not read by --loss_type sft (it loads no reference)"),
         ("kto.py", "--desirable_weight 0 --undesirable_weight 0", "are both 0: the loss would be 0"),
     ],
 )

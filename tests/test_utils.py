@@ -400,8 +400,9 @@ def test_forward_grouped_runs_rows_in_full_under_a_shorter_sliding_window(tiny_l
 
 def test_rollout_passes_hold_at_most_the_logits_budget(tiny_lm, monkeypatch):
     """The rollout's logprob and KL passes take --local_rollout_forward_batch_size rows at a time, fewer (whole groups)
-    where a chunk's logits would pass utils.LOGITS_BUDGET (a 150k vocabulary at 512 tokens), with the same values; the
-    KL pass cuts the policy's and the reference's batches (of other widths) at the same rows."""
+    where a chunk's logits (its completions' positions and one more) would pass utils.LOGITS_BUDGET (a 150k vocabulary
+    at 512 tokens), with the same values; the reference may read the completions after other prompts; a DeepSpeed
+    engine (whose own .config is its settings) holds the model."""
     import types
 
     _, tok = tiny_lm
@@ -422,15 +423,23 @@ def test_rollout_passes_hold_at_most_the_logits_budget(tiny_lm, monkeypatch):
             sampled=torch.arange(width)[None, :] < lengths[:, None],
         )
 
+    class Engine(torch.nn.Module):  # as deepspeed.DeepSpeedEngine: the model in .module, its settings in .config
+        def __init__(self, module):
+            super().__init__()
+            self.module, self.config = module, {"zero_optimization": {"stage": 3}}
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
     rows = []  # the rows each pass's model call holds logits for: one packed row per prompt
     model.register_forward_pre_hook(lambda _, a, kw: rows.append(kw["input_ids"].shape[0] * k), with_kwargs=True)
-    a, b = batch(queries), batch(torch.cat([queries, queries[:, :2]], 1))  # the reference reads a wider prompt
+    a, b = batch(queries), batch(torch.cat([queries, queries[:, :2]], 1))  # the reference reads longer prompts
     whole = utils.rollout_logprobs(model, a, 0.9), utils.rollout_full_kl(model, model, a, 0.9, ref_batch=b)
     assert rows == [8, 8, 8]
     rows.clear()
-    monkeypatch.setattr(utils, "LOGITS_BUDGET", 32 * vocab)  # 4 rows of 8 positions (two groups), 3 of the KL's 10
-    cut = utils.rollout_logprobs(model, a, 0.9), utils.rollout_full_kl(model, model, a, 0.9, ref_batch=b)
-    assert rows == [4] * 2 + [2] * 8  # logprobs: two groups a pass; the KL: one group, the policy's then the reference's
+    monkeypatch.setattr(utils, "LOGITS_BUDGET", 5 * (width + 1) * vocab)  # 5 rows' logits: two groups a pass
+    cut = utils.rollout_logprobs(Engine(model), a, 0.9), utils.rollout_full_kl(model, model, a, 0.9, ref_batch=b)
+    assert rows == [4] * 2 + [4] * 4  # logprobs, then the KL: the policy's and the reference's, two chunks each
     torch.testing.assert_close(cut, whole)
     monkeypatch.setattr(utils, "LOGITS_BUDGET", 1)  # nothing fits: a group at a time still
     rows.clear()
