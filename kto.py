@@ -107,10 +107,13 @@ def main(args):
     # the tokenizer and every example rendered and checked (cut to --max_length, as TRL), before anything is written;
     # each example's mismatched completion for the KL, fixed once as TRL pairs them (labelled_rows, infra/offline.py)
     rows = infra.read_examples(args, labelled=True, block=args.per_device_train_batch_size if kl else None)
-    run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
     desirable = sum(bool(r["label"]) for r in rows.train)  # (TRL warns of an imbalance; here one kind is missing)
-    if desirable in (0, len(rows.train)) and run.accelerator.is_main_process:
-        print(f"note: every training example is {'desirable' if desirable else 'undesirable'}: the loss sees one kind")
+    kind = None if 0 < desirable < len(rows.train) else "desirable" if desirable else "undesirable"
+    if kind is not None and getattr(args, f"{kind}_weight") == 0:
+        utils.die(f"every training example is {kind} and --{kind}_weight is 0: the loss would be 0")
+    run = infra.start(args, examples=len(rows.train))  # processes, seeding, batch sizes (epochs over them), output_dir
+    if kind is not None and run.accelerator.is_main_process:
+        print(f"note: every training example is {kind}: the loss sees one kind")
     data = infra.load_examples(run, rows)  # their batches, each example's prompt once then its completion(s)
     policy, ref_policy = infra.load_model(run, reference=True)
     # AdamW on the trainable weights (LoRA: the adapters), weight decay on all but the biases and norms (as

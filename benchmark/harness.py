@@ -6,6 +6,7 @@ happen inside the functions that need them, so a script's --help stays instant a
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,8 +29,11 @@ def convert(name, folder):
 
     from infra.models import load_pretrained, load_tokenizer
 
-    load_pretrained(AutoModelForCausalLM, name).save_pretrained(folder)
-    load_tokenizer(name).save_pretrained(folder)
+    partial = f"{folder}.partial"  # (renamed once whole: an interrupted conversion is not taken for a model)
+    load_pretrained(AutoModelForCausalLM, name).save_pretrained(partial)
+    load_tokenizer(name).save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)  # (a folder left without config.json)
+    os.replace(partial, folder)
     return folder
 
 

@@ -130,7 +130,8 @@ def test_kto_learns_the_labelled_completions(run, tmp_path, tiny_model_dir, kto_
 
 
 def test_one_kind_of_example_alone_is_noted(run, tmp_path, tiny_model_dir):
-    """Every example desirable: the run trains (TRL's does, with a warning of the imbalance) and says so in one note."""
+    """Every example desirable: the run trains (TRL's does, with a warning of the imbalance) and says so in one note;
+    with that kind's weight 0 it stops in one line, before any work."""
     path = write(tmp_path / "good.jsonl", [r for r in unpaired(16) if r["label"]])
     out = tmp_path / "out"
     proc = run(
@@ -138,6 +139,10 @@ def test_one_kind_of_example_alone_is_noted(run, tmp_path, tiny_model_dir):
     )
     check_ok(proc)
     assert "note: every training example is desirable: the loss sees one kind" in proc.stdout
+    proc = run(f"kto.py --model_name_or_path {tiny_model_dir} --dataset_name {path} --desirable_weight 0", tmp_path)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: every training example is desirable and --desirable_weight is 0: the loss would be 0"
+    )
 
 
 def test_precomputed_reference_logprobs_give_the_live_runs_numbers(run, tmp_path, tiny_model_dir, kto_data):
