@@ -616,7 +616,7 @@ def test_sft_leaves_out_the_rows_with_no_token_to_learn_within_max_length(tiny_m
     assert capsys.readouterr().err == "error: every row in t has no token to learn within --max_length 48\n"
 
     run = types.SimpleNamespace(
-        args=types.SimpleNamespace(seed=1, max_length=48, train_sampling_strategy="random"),
+        args=types.SimpleNamespace(seed=1, max_length=48, train_sampling_strategy="random", eval_batch_size=16),
         tokenizer=tok,
         device=torch.device("cpu"),
         accelerator=None,
