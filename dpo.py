@@ -206,34 +206,29 @@ def main(args):
     types, weights = args.loss_type, args.loss_weights or (1.0,) * len(args.loss_type)
     if len(weights) != len(types) or not types:
         utils.die(f"--loss_weights gives {len(weights)} weights for {len(types)} --loss_type values")
-    if args.label_smoothing and not set(types) & set(SMOOTHED):  # (TRL 1.16's sigmoid ignores it: conservative DPO's)
-        utils.die(f"--label_smoothing enters --loss_type {', '.join(SMOOTHED)} only (conservative DPO: cdpo)")
     if "exo_pair" in types and not args.label_smoothing:
         utils.die("--loss_type exo_pair needs a positive --label_smoothing (its epsilon; EXO's paper: 1e-3)")
-    if args.f_divergence_type != "reverse_kl" and not set(types) <= set(F_DIVERGENCE):
-        utils.die(f"--f_divergence_type {args.f_divergence_type} takes --loss_type {', '.join(F_DIVERGENCE)} only")
     if args.use_weighting and set(types) & {"aot", "aot_unpaired"}:
         utils.die("--use_weighting weighs each pair, which aot and aot_unpaired sort apart")
     infra.at_least(args, 0, "ld_alpha", at_most=1)
     infra.at_least(args, 0, "discopop_tau", "f_alpha_divergence_coef", strict=True)
     infra.at_least(args, 0, "cpo_alpha", "simpo_gamma")
     reference = not set(types) <= set(REFERENCE_FREE)  # (SimPO, CPO, ORPO and SFT read the policy alone)
-    if args.sync_ref_model and not reference:
-        utils.die(f"--sync_ref_model moves a reference, which --loss_type {' '.join(types)} does not load")
     # flags set away from their defaults that these losses would not read (ld_alpha: only the logged metrics)
-    unread = [flag for flag, given, read in [
-        ("ld_alpha", args.ld_alpha is not None, reference),
-        ("precompute_ref_log_probs", args.precompute_ref_log_probs, reference),
-        ("simpo_gamma", args.simpo_gamma != 0.5, "simpo" in types),
-        ("cpo_alpha", args.cpo_alpha != 1.0, "cpo" in types or ("simpo" in types and args.cpo_alpha == 0)),
+    free = " (it loads no reference)"  # (label_smoothing: TRL 1.16's sigmoid ignores it; simpo: TRL's CPO at alpha 0)
+    unread = [f"--{flag} is not read by --loss_type {' '.join(types)}{why}" for flag, given, read, why in [
+        ("label_smoothing", args.label_smoothing, set(types) & set(SMOOTHED), f" (only {', '.join(SMOOTHED)})"),
+        ("f_divergence_type", args.f_divergence_type != "reverse_kl", set(types) <= set(F_DIVERGENCE),
+         f" (only {', '.join(F_DIVERGENCE)})"),
+        ("sync_ref_model", args.sync_ref_model, reference, free),
+        ("ld_alpha", args.ld_alpha is not None, reference, free),
+        ("precompute_ref_log_probs", args.precompute_ref_log_probs, reference, free),
+        ("simpo_gamma", args.simpo_gamma != 0.5, "simpo" in types, ""),
+        ("cpo_alpha", args.cpo_alpha != 1.0, "cpo" in types or ("simpo" in types and args.cpo_alpha == 0),
+         f": CPO-SimPO is --loss_type simpo sft --loss_weights 1 {args.cpo_alpha}" if "simpo" in types else ""),
     ] if given and not read]  # fmt: skip
-    if unread == ["cpo_alpha"] and "simpo" in types:  # (simpo is TRL's CPOTrainer's at cpo_alpha 0)
-        utils.die(
-            f"--loss_type simpo reads no --cpo_alpha: CPO-SimPO is --loss_type simpo sft --loss_weights 1 {args.cpo_alpha}"
-        )
     if unread:
-        why = "" if reference else " (it loads no reference)"
-        utils.die(f"--{unread[0]} is not read by --loss_type {' '.join(types)}{why}")
+        utils.die(unread[0])
     if args.precompute_ref_log_probs and (args.eval_dataset_name or args.sync_ref_model):
         utils.die("--precompute_ref_log_probs frees the reference, which the held-out evaluation and --sync_ref_model need")
     infra.at_least(args, 1, "precompute_ref_batch_size")

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 # written into the logprobs of padding positions, so that a padding token that leaks into a sum is easy to spot
 INVALID_LOGPROB = 1.0
+LOGITS_BUDGET = 1 << 30  # the most logits a rollout pass holds at once (4 GiB in float32): rollout_chunks
 
 
 class Stopped(SystemExit):
@@ -517,14 +518,9 @@ def masked_whiten(values, mask, shift_mean=True, reduce=None, std_eps=None):
 # an update: the rollout's forward passes, its mini-batches, its statistics
 
 
-LOGITS_BUDGET = 1 << 30  # the most logits a rollout pass holds at once (4 GiB in float32)
-
-
 def rollout_chunks(batch, model):
-    """An infra.rollout.Batch's rows, batch.chunk at a time (--local_rollout_forward_batch_size), fewer (whole groups,
-    one at least) where a chunk's logits (its completions' positions and one more, over the model's vocabulary) would
-    pass LOGITS_BUDGET (a 150k vocabulary at 512 completion tokens: 12 rows), each chunk only as wide as its longest
-    completion: (rows, query_responses, attention mask, responses) per chunk."""
+    """An infra.rollout.Batch's rows, batch.chunk at a time, fewer (whole groups) where their logits (completion + 1
+    positions) would pass LOGITS_BUDGET, each only as wide as its longest completion: (rows, ids, mask, responses)."""
     config = getattr(model, "module", model).config  # (a DeepSpeed engine's own .config is its settings)
     width = batch.query_responses.shape[1] - batch.context_length + 1
     fit = LOGITS_BUDGET // (width * config.get_text_config().vocab_size)

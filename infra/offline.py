@@ -344,7 +344,7 @@ class Examples:
         if rows is not None:
             accelerator, size = self.run.accelerator, size or self.run.args.eval_batch_size
             for part in shares(len(rows), accelerator.num_processes, size)[accelerator.process_index]:
-                yield self.collate(part, rows) if part else die("a process has no rows for its micro-batch: see shares()")
+                yield self.collate(part, rows)  # (never empty: check_shares refused such rows as they loaded)
 
     def collate(self, index, rows=None):
         rows = self.rows if rows is None else rows
