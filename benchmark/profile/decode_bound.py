@@ -13,7 +13,8 @@ whose cost, once per call, is measured apart: copies_s). Its bound is the larger
   products, the best of eight half-second windows, measured before and after the cases; in fp32 the faster of torch's
   own product, MKL, and oneDNN's, which on an AMD processor is about twice MKL's).
 Also measured: the step's matrix products alone (every linear weight of the model and the LM head applied to rows x
-in, in order, nothing else: what the matmul library does at this shape) and the torch profiler's split of a step (the
+in, in order, nothing else: what the matmul library does at this shape; and with each layer's q, k, v weights stacked
+as one, and gate and up as one: fewer, larger products) and the torch profiler's split of a step (the
 products, the attention, the rest). In fp32 with the linear layers routed through oneDNN (--onednn, the default run on
 a CPU) and without (--no_onednn: MKL), under autocast bf16 (--bf16: with --onednn, the default, the weights cast and
 packed once per generate() call; with --no_onednn, autocast casts each weight at each step) and with the weights held
@@ -72,10 +73,20 @@ def peak(dtype, windows=8, seconds=0.5, n=1024, library="torch"):
     return max(rates)
 
 
-def products(model, rows, dtype, routed=False):
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # products that read one input (Llama's names)
+
+
+def products(model, rows, dtype, routed=False, fused=False):
     """seconds of the step's matrix products alone: every linear weight (and the LM head) on (rows, in); routed: by
-    oneDNN on packed weights, as --onednn's decoding"""
-    weights = [m.weight.to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    oneDNN on packed weights, as --onednn's decoding; fused: a layer's products of one input as one (FUSED's weights
+    stacked: fewer, larger products, the best a library's products can do at this shape)"""
+    stacks = {}  # (module holding it, its group) -> weights, in order
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            holder, _, leaf = name.rpartition(".")
+            group = next((g for g in FUSED if leaf in g), leaf) if fused else name
+            stacks.setdefault((holder, group), []).append(m.weight.to(dtype))
+    weights = [torch.cat(ws) for ws in stacks.values()]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
     if routed:
         calls = [(onednn.product, torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
@@ -183,6 +194,7 @@ def main():
             "bound_flops_s": bound["flops"],
             "step_over_bound": step / max(bound.values()),
             "products_alone_s": products(model, args.rows, low, routed),
+            "products_fused_s": products(model, args.rows, low, routed, fused=True),
             "copies_s": copies,
             "profiler_s": parts,
             "weights_MB": linear * width / 1e6,
