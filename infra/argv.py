@@ -1,10 +1,14 @@
 """TRL's command lines as the scripts' parser (tyro) takes them: HfArgumentParser's boolean values, the flags of TRL
 (and of transformers' TrainingArguments) that the scripts hold under another name, and, for any flag a script does not
-have, one line naming it and, where the scripts do its work another way, the flag that does.
+have, one line naming it and, where the scripts do its work another way, the flag that does; a value the parser refuses,
+one line too (tyro's message without its box).
 """
 
+import contextlib
 import dataclasses
+import io
 import json
+import re
 import sys
 import typing
 
@@ -64,7 +68,7 @@ def trl_argv(cls, argv=None):
     TRL's names: RENAMED's as ours, MODEL_KWARGS' into --model_init_kwargs, --report_to wandb as --track, and TRL's
     values that say what the scripts always do (ALWAYS, --report_to none) left out.
     A flag cls lacks stops the run in one line, with what to use instead where the scripts do its work (ELSEWHERE), and
-    so do both names of one setting (PAIRS)."""
+    so do both names of one setting (PAIRS), and a value tyro refuses (checked)."""
     hints = typing.get_type_hints(cls)
     fields = {field.name for field in dataclasses.fields(cls)}
     switches = {name for name in fields if hints.get(name) is bool}
@@ -116,4 +120,49 @@ def trl_argv(cls, argv=None):
         own = json.dumps(kwargs | theirs)
     if own is not None:
         out += ["--model_init_kwargs", own]
-    return out
+    return checked(cls, out)
+
+
+def checked(cls, argv):
+    """argv, once tyro takes it for cls: a value it refuses (a dozen lines: the message in a box, the flag's help) stops
+    the run in one line, the message and the flag's usage. A trial parse with its output held back (the script's own
+    parse, after, prints any notes); --help is left to the script's."""
+    import tyro
+
+    if {"-h", "--help"} & set(argv):
+        return argv
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held), contextlib.redirect_stdout(held):
+            tyro.cli(cls, args=argv, use_underscores=True)
+    except SystemExit:
+        text = held.getvalue()
+        if text.startswith("error: ") or not text.strip():  # a check's own line (utils.die), as it was
+            print(text, end="", file=sys.stderr, flush=True)
+            raise
+        die(unboxed(text))
+    return argv
+
+
+def unboxed(text):
+    """tyro's error (a title, the message, the flag's help, each part ruled off; in a box on a terminal) as one line:
+    the message, with the usage of the flag it names where the help shows it"""
+    parts, part = [], []
+    for line in text.splitlines() + [""]:
+        line = line.strip().strip("\u2502\u256d\u256e\u2570\u256f").strip()
+        if line.startswith("\u2500 "):  # a box's top border, the title in it: a part of its own
+            parts.append([line.strip("\u2500 ")])
+        elif line and not set(line) <= {"\u2500", "-"}:
+            part.append(line)
+        elif part:
+            parts.append(part)
+            part = []
+    if len(parts) < 2:
+        return " ".join(text.split())
+    message = re.sub(r"\[/?bold\]", "", " ".join(parts[1])).removeprefix("Error parsing ")
+    message = message[:1].lower() + message[1:]
+    usage = next((p[1] for p in parts[2:] if p[0] == "Argument helptext:" and len(p) > 1), "")
+    flag = usage.split(" ")[0]
+    if flag.startswith("--") and message.startswith(f"{flag}:"):  # "--flag: why" as "--flag TYPE: why"
+        message = usage + message[len(flag) :]
+    return f"{message} (--help lists the script's flags)"

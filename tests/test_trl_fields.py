@@ -118,3 +118,48 @@ def test_trls_names_run_as_ours_and_a_flag_a_script_lacks_is_one_line(run, tmp_p
     assert proc.stderr.strip().splitlines() == [
         "error: --num_generations and --rloo_k set one thing (TRL's name and this script's): give one of them"
     ]
+
+
+def test_a_value_the_parser_refuses_is_one_line(run, tmp_path, capsys):
+    """infra/argv.checked: a value tyro refuses (its dozen-line box: the message, the flag's help) stops the run in
+    one line, the message with the flag's usage, before any work; a check's own line (utils.die) and --help as they
+    were; tyro's box, as drawn on a terminal, read the same way (unboxed)"""
+    import pytest
+
+    import grpo
+    import infra
+    import rloo
+    from infra.argv import unboxed
+    from utils import Stopped
+
+    def refused(module, argv):
+        with pytest.raises(Stopped) as stop:
+            infra.trl_argv(module.Args, argv)
+        assert capsys.readouterr().out == ""
+        return str(stop.value)
+
+    why = "(--help lists the script's flags)"
+    assert refused(rloo, ["--rloo_k", "abc"]) == f"error: --rloo_k INT: invalid literal for int() with base 10: 'abc' {why}"
+    line = refused(rloo, ["--learning_rate=x"])
+    assert line == f"error: --learning_rate FLOAT: could not convert string to float: 'x' {why}"
+    assert refused(grpo, ["--loss_type", "foo"]).startswith("error: invalid choice 'foo' for argument '--loss_type'.")
+    assert refused(rloo, ["--rloo_k"]) == f"error: missing value for argument '--rloo_k'. Expected 1 values. {why}"
+    assert refused(rloo, ["--temperature", "0"]) == "error: --temperature must be positive, got 0.0"
+    assert infra.trl_argv(rloo.Args, ["--rloo_k", "3", "--help"]) == ["--rloo_k", "3", "--help"]
+    box = """╭─ Value error ──────────────────────────────────────╮
+│ Error parsing --rloo_k: invalid literal for int()  │
+│ with base 10: 'abc'                                │
+│ ────────────────────────────────────────────────── │
+│ Argument helptext:                                 │
+│     --rloo_k INT                                   │
+│     the number of completions sampled per prompt   │
+│ ────────────────────────────────────────────────── │
+│ For full helptext, see rloo.py --help              │
+╰────────────────────────────────────────────────────╯"""
+    assert unboxed(box) == f"--rloo_k INT: invalid literal for int() with base 10: 'abc' {why}"
+
+    proc = run(f"rloo.py --kl_estimator k9 --output_dir {tmp_path / 'out'}", tmp_path)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"error: invalid choice 'k9' for argument '--kl_estimator'. Expected one of ('k1', 'k2', 'k3', 'abs', 'full'). {why}"
+    ]
