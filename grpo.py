@@ -45,8 +45,8 @@ class GRPOArgs:
     scale_rewards: Union[Literal["group", "batch", "none"], bool] = "group"
     """divide advantages by the std of the prompt's k scores (group), of the global batch's scores (batch), or not (none:
     Dr. GRPO); the std is the unbiased one, as TRL's, plus 1e-4. TRL's True and False: group and none"""
-    loss_type: Optional[Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]] = None
-    """the per-token loss and its aggregation (TRL 1.16's; docs/algorithms.md). None: dapo, or grpo under GSPO"""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    """the per-token loss and its aggregation (TRL 1.16's; docs/algorithms.md); GSPO's paper: grpo"""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """several reward sources: their weighted sum's advantage, or GDPO's (normalized_sum, TRL's)"""
     entropy_coef: float = 0.0
@@ -264,17 +264,18 @@ def main(args):
     if args.use_adaptive_entropy and not args.entropy_coef_min <= args.entropy_coef <= args.entropy_coef_max:
         utils.die("--use_adaptive_entropy: --entropy_coef must be in [--entropy_coef_min, --entropy_coef_max]")
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    # GSPO (Zheng et al. 2025) averages the sequence loss over completions; a token sum would weigh each by its length
-    gspo = args.importance_sampling_level == "sequence"
-    args.loss_type = loss_type = args.loss_type or ("grpo" if gspo else "dapo")
-    if gspo and loss_type not in ("grpo", "luspo", "sapo"):
-        utils.die("GSPO's objective (--importance_sampling_level sequence) is a mean: --loss_type grpo, luspo or sapo")
+    loss_type = args.loss_type
+    # GSPO (Zheng et al. 2025) averages the sequence loss over completions; a token sum (TRL's default) weighs each
+    # completion by its length, which TRL warns of
+    token_sum = loss_type in ("bnpo", "dr_grpo", "dapo", "cispo") and args.importance_sampling_level == "sequence"
     gdpo = args.multi_objective_aggregation == "normalize_then_sum"
     if gdpo and (args.missing_eos_penalty is not None or args.use_score_scaling or args.score_clip is not None):
         utils.die("--missing_eos_penalty, --use_score_scaling and --score_clip shape the sources' sum, which "
                   "--multi_objective_aggregation normalize_then_sum does not use")  # fmt: skip
     k = args.num_generations  # completions per prompt
     run = infra.start(args, k=args.num_generations)  # processes, seeding, batch sizes, output_dir
+    if token_sum and run.accelerator.is_main_process:
+        print(f"note: --loss_type {loss_type} sums GSPO's sequence loss over tokens; the paper's mean: --loss_type grpo")
     # the tokenizer, prompts and reward sources; the policy (LoRA, ...) and with --beta the frozen initial policy
     policy, ref_policy = infra.load_policy(run, reference=args.beta > 0)
     router = infra.router_coef(policy, args.router_aux_loss_coef)  # 0 but for a mixture of experts
@@ -341,9 +342,8 @@ def main(args):
 
             # 3. the tokens that count in the loss: real ones, and with --mask_truncated_completions (DAPO's overlong
             # filter) none of a completion cut off before the stop token
-            loss_mask = sampled & scored[:, None]  # a completion no reward source scored counts nowhere
-            if args.mask_truncated_completions:
-                loss_mask = loss_mask & batch.contain_eos[:, None]
+            # (a completion no reward source scored counts too, with advantage 0: in the KL, the entropy, the token count)
+            loss_mask = sampled & batch.contain_eos[:, None] if args.mask_truncated_completions else sampled
 
             # 4. GRPO: group-relative advantages, one per completion, given to each of its tokens; GDPO: of each source's
             advantages, zero_std = group_advantages(scores, k, args.scale_rewards, scored=scored, reduce=run.reduce_sum)

@@ -293,6 +293,27 @@ def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, run, tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+UNSCORED = "def vowels(prompts, completions):\n    return [None] * len(completions)\n"
+
+
+def test_unscored_completions_stay_in_the_loss_as_trls(run, tmp_path, tiny_model_dir, tiny_prompts_file):
+    """A completion no source scored has advantage 0 but its tokens count, as in TRL 1.16's GRPOTrainer (which zeroes
+    the advantage alone): with every completion unscored, --entropy_coef's bonus still trains on them."""
+    out = tmp_path / "out"
+    proc = run(
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path, UNSCORED)} --total_episodes 16 --response_length 6"
+        f" --entropy_coef 0.5 --learning_rate 1e-2 --output_dir {out}",
+        cwd=tmp_path,
+    )
+    check_ok(proc)
+    (row,) = read_metrics(out)
+    assert row["objective/unscored"] == 16 and row["loss/policy_avg"] == 0.0  # (every advantage 0)
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
 # runs grpo.py in this interpreter, recording every causal LM whose forward runs and every one alive at the end
 PROBE = """
 import gc, json, os, runpy, sys
@@ -465,12 +486,13 @@ def test_gspo_sequence_ratio_matches_a_naive_loop():
     assert loss.item() == pytest.approx(sum(naive) / 4, rel=1e-5)
 
 
-def test_gspo_runs_the_papers_objective(run, tmp_path, eos_model_dir, tiny_prompts_file):
-    """--importance_sampling_level sequence takes GSPO's per-sequence mean of the sequence loss (--loss_type grpo) by
-    default, not the default token sum (completions of different lengths, which it would weigh by their length), and
-    refuses another aggregation in one line; its ratios differ from the token-level ones on the same rollout."""
-    rows = {}
-    for name, flags in [("token", "token"), ("sequence", "sequence"), ("grpo", "sequence --loss_type grpo")]:
+def test_gspo_runs_trls_aggregation_and_the_papers(run, tmp_path, eos_model_dir, tiny_prompts_file):
+    """--importance_sampling_level sequence aggregates by --loss_type, dapo by default, as TRL 1.16 (a token sum, which
+    weighs each completion by its length: a note says so, as TRL warns); the paper's per-sequence mean is --loss_type
+    grpo; its ratios differ from the token-level ones on the same rollout."""
+    rows, notes = {}, {}
+    runs = [("token", "token"), ("sequence", "sequence"), ("dapo", "sequence --loss_type dapo")]
+    for name, flags in runs + [("grpo", "sequence --loss_type grpo")]:
         out = tmp_path / name
         proc = run(
             f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --num_generations 4 --total_episodes 16"
@@ -480,16 +502,20 @@ def test_gspo_runs_the_papers_objective(run, tmp_path, eos_model_dir, tiny_promp
         )
         check_ok(proc)
         (rows[name],) = read_metrics(out)
+        notes[name] = [line for line in proc.stdout.splitlines() if line.startswith("note: --loss_type")]
         assert all(math.isfinite(v) for v in rows[name].values())
     assert rows["token"]["completions/min_length"] < rows["token"]["completions/max_length"]  # lengths differ
     # the same rollout; the second iteration's ratios are the completions' under GSPO, the tokens' otherwise
     assert rows["token"]["objective/scores"] == rows["sequence"]["objective/scores"]
     assert rows["token"]["val/ratio"] != rows["sequence"]["val/ratio"]
-    assert rows["sequence"] == {**rows["grpo"], "eps": rows["sequence"]["eps"]}  # the per-sequence mean
-    proc = run(f"{common(eos_model_dir, tiny_prompts_file, tmp_path)} --importance_sampling_level sequence --loss_type dapo"
-               f" --output_dir {tmp_path / 'refused'}", cwd=tmp_path)  # fmt: skip
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode != 0 and last.startswith("error: GSPO's objective"), last
+    assert rows["sequence"] == {**rows["dapo"], "eps": rows["sequence"]["eps"]}  # TRL's default, dapo
+    assert rows["sequence"]["loss/policy_avg"] != rows["grpo"]["loss/policy_avg"]  # the per-sequence mean
+    assert (
+        notes["sequence"]
+        == notes["dapo"]
+        == ["note: --loss_type dapo sums GSPO's sequence loss over tokens; the paper's mean: --loss_type grpo"]
+    )
+    assert notes["token"] == notes["grpo"] == []
 
 
 @pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])

@@ -13,7 +13,8 @@ beta 0, clip 0.2, fp32. Our side imports grpo.py's own `group_advantages`, `poli
 accelerator.backward all run.
 
 The other loss types and corrections, each with its TRL 1.16 field set the same on both sides: --loss_type cispo, sapo,
-luspo (with --importance_sampling_level sequence, as TRL advises), vespo; --delta; --off_policy_mask_threshold; --beta
+luspo (with --importance_sampling_level sequence, as TRL advises), vespo; --importance_sampling_level sequence (GSPO's
+ratio, under dapo by default as TRL's); --delta; --off_policy_mask_threshold; --beta
 with the bias-corrected KL (TRL's default); --entropy_coef (TRL's bonus); --top_k/--top_p (the completions are drawn by
 the truncated rule; both sides' losses read the untruncated logprobs). On policy every ratio is 1, where most of them
 coincide, so --old_noise S hands both sides old logprobs (and --beta a reference's) that are the policy's plus Gaussian
@@ -58,11 +59,12 @@ parser.add_argument("--top_k", type=int, default=0)
 parser.add_argument("--top_p", type=float, default=1.0)
 parser.add_argument("--entropy_coef", type=float, default=0.0, help="TRL's entropy bonus")
 parser.add_argument("--old_noise", type=float, default=0.0, help="the old (and reference) logprobs' distance")
+parser.add_argument("--importance_sampling_level", choices=["token", "sequence"], help="default: sequence for luspo")
 cli = parser.parse_args()
 MODEL, PROMPTS, SEED = cli.model, os.path.join(REPO, "data", "prompts.jsonl"), cli.seed
 K, N_PROMPTS, RESPONSE_LENGTH, TEMPERATURE, MICRO, GA, EPS = 4, 4, 24, 0.7, 8, 2, 0.2
 EPS_HIGH = EPS if cli.epsilon_high is None else cli.epsilon_high
-LEVEL = "sequence" if cli.loss_type == "luspo" else "token"
+LEVEL = cli.importance_sampling_level or ("sequence" if cli.loss_type == "luspo" else "token")
 log = print
 
 
