@@ -273,45 +273,33 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, eos_model
 CONSTANT = "def vowels(prompts, completions):\n    return [0.5] * len(completions)\n"
 
 
-@pytest.mark.parametrize("scale_rewards", ["group", "False"])
-def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, run, tmp_path, tiny_model_dir, tiny_prompts_file):
+UNSCORED = "def vowels(prompts, completions):\n    return [None] * len(completions)\n"
+
+
+@pytest.mark.parametrize("scale_rewards, reward", [("group", CONSTANT), ("False", CONSTANT), ("group", UNSCORED)])
+def test_equal_rewards_give_no_advantage_and_no_step(scale_rewards, reward, run, tmp_path, tiny_model_dir,
+                                                     tiny_prompts_file):  # fmt: skip
     """Every group's rewards equal: every advantage is 0, frac_reward_zero_std is 1, and with --beta 0 the policy gets
-    no gradient at all: it is saved as it started. (TRL's False is none, the run's arguments say.)"""
-    out = tmp_path / "out"
+    no gradient at all: it is saved as it started. (TRL's False is none, the run's arguments say.) No completion
+    scored: advantage 0 too, but its tokens count, as in TRL 1.16's GRPOTrainer (which zeroes the advantage alone), so
+    --entropy_coef's bonus still trains on them."""
+    out, unscored = tmp_path / "out", reward == UNSCORED
+    bonus = " --entropy_coef 0.5 --learning_rate 1e-2" if unscored else ""
     proc = run(
-        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path, CONSTANT)} --total_episodes 16 --response_length 6"
-        f" --scale_rewards {scale_rewards} --output_dir {out}",
+        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path, reward)} --total_episodes 16 --response_length 6"
+        f" --scale_rewards {scale_rewards} --output_dir {out}{bonus}",
         cwd=tmp_path,
     )
     check_ok(proc)
     (row,) = read_metrics(out)
-    assert row["frac_reward_zero_std"] == 1.0 and row["reward_std"] == 0.0 and row["loss/policy_avg"] == 0.0
+    assert row["loss/policy_avg"] == 0.0 and row["objective/unscored"] == (16 if unscored else 0)
+    if not unscored:
+        assert row["frac_reward_zero_std"] == 1.0 and row["reward_std"] == 0.0
     assert json.load(open(out / "args.json"))["scale_rewards"] == {"False": "none"}.get(scale_rewards, scale_rewards)
     from safetensors.torch import load_file
 
     a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-UNSCORED = "def vowels(prompts, completions):\n    return [None] * len(completions)\n"
-
-
-def test_unscored_completions_stay_in_the_loss_as_trls(run, tmp_path, tiny_model_dir, tiny_prompts_file):
-    """A completion no source scored has advantage 0 but its tokens count, as in TRL 1.16's GRPOTrainer (which zeroes
-    the advantage alone): with every completion unscored, --entropy_coef's bonus still trains on them."""
-    out = tmp_path / "out"
-    proc = run(
-        f"{common(tiny_model_dir, tiny_prompts_file, tmp_path, UNSCORED)} --total_episodes 16 --response_length 6"
-        f" --entropy_coef 0.5 --learning_rate 1e-2 --output_dir {out}",
-        cwd=tmp_path,
-    )
-    check_ok(proc)
-    (row,) = read_metrics(out)
-    assert row["objective/unscored"] == 16 and row["loss/policy_avg"] == 0.0  # (every advantage 0)
-    from safetensors.torch import load_file
-
-    a, b = load_file(os.path.join(tiny_model_dir, "model.safetensors")), load_file(out / "model.safetensors")
-    assert not all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a) != unscored
 
 
 # runs grpo.py in this interpreter, recording every causal LM whose forward runs and every one alive at the end
