@@ -44,7 +44,7 @@ class RLOOArgs:
     ratio_threshold: Optional[float] = None
     """a micro-batch whose mean sequence probability ratio exceeds this contributes no gradient (TRL)"""
     normalize_advantage: bool = False
-    """normalise advantages to zero mean and unit std over the batch (all processes' scored completions)"""
+    """normalise advantages to zero mean and unit std over the batch (all processes' completions with a baseline)"""
     normalize_advantages: bool = False
     """TRL 1.16's form of it: (A - mean) / (std + 1e-4), over the same completions"""
     num_ppo_epochs: int = 1
@@ -220,10 +220,12 @@ def main(args):
 
             # 4. RLOO: advantages from the leave-one-out baseline
             advantages = rloo_advantages(rlhf_reward, k, scored)
-            if args.normalize_advantage or args.normalize_advantages:  # over the global batch's scored completions
+            if args.normalize_advantage or args.normalize_advantages:  # over the global batch's completions with a
+                # baseline (TRL's: an unscored one's or one scored alone in its group is NaN, left out and then 0)
+                baselined = scored & (scored.reshape(-1, k).sum(1) > 1).repeat_interleave(k)
                 std_eps = 1e-4 if args.normalize_advantages else None  # (TRL's: the std plus 1e-4)
-                advantages = utils.masked_whiten(advantages, scored, reduce=run.reduce_sum, std_eps=std_eps)
-                advantages = advantages.masked_fill(~scored, 0)  # (the others keep 0)
+                advantages = utils.masked_whiten(advantages, baselined, reduce=run.reduce_sum, std_eps=std_eps)
+                advantages = advantages.masked_fill(~baselined, 0)  # (the others keep 0)
             seq_logprobs = logprobs.masked_fill(~counted, 0.0).sum(1)
 
         # 5. update: epochs x mini-batches x gradient-accumulation micro-batches

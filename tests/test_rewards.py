@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +25,11 @@ def constant(prompts, completions):  # the two-argument form
 def picky(prompts, completions, **columns):
     # None (cannot judge) for completions whose length is a multiple of 3, and for every completion of rows marked so
     return [None if len(c) % 3 == 0 or not ok else float(len(c)) for c, ok in zip(completions, columns["judgeable"])]
+
+def lonely(prompts, completions, **columns):
+    # the rows marked unjudgeable: their first completion alone scored (no baseline for it), the others None
+    firsts = [i == 0 or prompts[i] != prompts[i - 1] for i in range(len(prompts))]
+    return [float(len(c)) if ok or first else None for c, ok, first in zip(completions, columns["judgeable"], firsts)]
 
 def never(prompts, completions):
     return [None] * len(completions)
@@ -135,6 +141,21 @@ def test_unscored_completions_take_no_part(script, run, tmp_path, tiny_model_dir
                     others = [o["score"] for m, o in enumerate(group) if m != i and o["score"] is not None]
                     expected = r["score"] - sum(others) / len(others) if r["score"] is not None and others else 0.0
                     assert r["advantage"] == pytest.approx(expected, abs=1e-4)
+
+        # --normalize_advantages (TRL's): whitened over the completions with a baseline alone (TRL's NaN rows: unscored,
+        # or scored alone in their group, which then get 0)
+        out = tmp_path / "lonely"
+        extra = f"{k} --kl_coef 0 --reward_fn {tmp_path}/rewards.py:lonely --num_sample_generations 0 --normalize_advantages"
+        check_ok(run(command(script, tiny_model_dir, data, out, extra), tmp_path))
+        for update in (1, 2):
+            mine = [r for r in read_completions(out) if r["update"] == update]
+            groups = [[r["score"] for r in mine[j : j + 4]] for j in range(0, 16, 4)]
+            raw = [s - (sum(g) - s) / 3 if None not in g else None for g in groups for s in g]
+            assert None in raw and any(s is not None for g in groups if None in g for s in g)  # (both kinds)
+            kept = [a for a in raw if a is not None]
+            mean, std = statistics.mean(kept), statistics.stdev(kept)
+            for r, a in zip(mine, raw):
+                assert r["advantage"] == pytest.approx(0.0 if a is None else (a - mean) / (std + 1e-4), abs=1e-4)
 
     out = tmp_path / "never"
     extra = (
