@@ -38,7 +38,7 @@ def reward_stats(accelerator, per_source, sources, scores, scored):
     sums = accelerator.reduce(torch.cat([sums, weighted.to(sums)[None]]), reduction="sum")  # (sources + 1, 3)
     (total, square, count), (scored_sum, num_scored, n) = sums[:-1].unbind(1), sums[-1].tolist()
     mean = total / count.clamp(min=1)
-    std = (square / count.clamp(min=1) - mean**2).clamp(min=0).sqrt()
+    std = ((square - count * mean**2).clamp(min=0) / (count - 1)).sqrt()  # unbiased, as TRL's nanstd (one value: NaN)
     mean_score = scored_sum / num_scored if num_scored else math.nan
     stats = {"objective/scores": mean_score, "reward": mean_score, "objective/unscored": n - num_scored}
     for source, m, sd, c in zip(sources, mean.tolist(), std.tolist(), count.tolist()):

@@ -900,7 +900,9 @@ def test_each_sources_reward_stats_are_over_what_it_scored():
     scores, scored = torch.tensor([1.0, 0.0, 3.0, 0.0]), torch.tensor([True, False, True, False])
     same = SimpleNamespace(reduce=lambda tensor, reduction: tensor)  # (one process)
     stats = reward_stats(same, per_source, sources, scores, scored)
-    assert stats["rewards/judge/mean"] == 2.0 and stats["rewards/judge/std"] == 1.0
+    assert stats["rewards/judge/mean"] == 2.0 and stats["rewards/judge/std"] == pytest.approx(2**0.5)  # (unbiased)
+    one = reward_stats(same, per_source[:, :2], sources, scores[:2], scored[:2])  # one value: TRL's nanstd is NaN
+    assert one["rewards/judge/mean"] == 1.0 and math.isnan(one["rewards/judge/std"])
     assert not any(key.startswith("rewards/never/") for key in stats)
     assert stats["objective/scores"] == 2.0 and stats["objective/unscored"] == 2
     none = reward_stats(same, per_source, sources, scores, torch.zeros(4, dtype=torch.bool))  # nothing scored
