@@ -113,12 +113,12 @@ def load_reward_model(name, trust_remote_code=False):
     return model
 
 
-def scorer_or_adapters(name, trust_remote_code=False):
+def scorer_or_adapters(name, trust_remote_code=False, **kwargs):
     """load_scorer's (model, its new head's keys) of a model, or of LoRA adapters merged into their base (load_adapters)"""
     path, gguf_file = resolve_pretrained(name)
     if not gguf_file and is_adapters(path):
-        return load_adapters(name, path, trust_remote_code)
-    return load_scorer(name, trust_remote_code)
+        return load_adapters(name, path, trust_remote_code, **kwargs)
+    return load_scorer(name, trust_remote_code, **kwargs)
 
 
 def peft_of(name):
@@ -134,7 +134,7 @@ def peft_of(name):
     return PeftConfig, PeftModel
 
 
-def load_adapters(name, path, trust_remote_code=False):
+def load_adapters(name, path, trust_remote_code=False, **kwargs):
     """LoRA adapters (a --use_peft output without --merge_lora: reward.py's, or a policy's) as a sequence-classification
     model with one output, as peft loads them: the base model adapter_config.json names, the adapters merged and the
     score head where they trained it whole (reward.py: peft's modules_to_save); its reading rule from reward_input.json
@@ -142,10 +142,11 @@ def load_adapters(name, path, trust_remote_code=False):
     PeftConfig, PeftModel = peft_of(name)
     from peft.utils import load_peft_weights
 
-    base, new = load_scorer(PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, num_labels=1)
+    below = {key: value for key, value in kwargs.items() if key != "revision"} | {"num_labels": 1}  # (the adapters')
+    base, new = load_scorer(PeftConfig.from_pretrained(path).base_model_name_or_path, trust_remote_code, **below)
     saved = load_peft_weights(path)  # (their keys: base_model.model.score.weight for the head)
     new = {key for key in new if not any(k.endswith("." + key) for k in saved)}
-    model = PeftModel.from_pretrained(base, path).merge_and_unload()
+    model = PeftModel.from_pretrained(base, path).merge_and_unload().requires_grad_(True)  # (trainable, as a loaded one)
     if rule := optional_file(path, "reward_input.json"):
         with open(rule) as f:
             model.config.reward_input = json.load(f)

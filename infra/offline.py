@@ -16,7 +16,7 @@ from utils import die, init_value_head
 
 from .data import Shuffled, check_paths, note, read_dataset
 from .flags import json_object, set_config
-from .models import check_model, load_pretrained, load_scorer, load_tokenizer, trainable
+from .models import check_model, load_pretrained, load_tokenizer, scorer_or_adapters, trainable
 from .packing import check_shares, cut, shares
 from .render import (
     assistant_mask,
@@ -421,8 +421,9 @@ def load_model(run, score_head=False, reference=False):
     same on every process, or the one the model has); and with reference a frozen copy (none with LoRA: the model with
     its adapters switched off). Returns (model, reference or None) for prepare()."""
     args, init = run.args, json_object(run.args, "model_init_kwargs")
-    if score_head:  # (a causal LM's checkpoint: a new head, which load_scorer does not report)
-        model, new = load_scorer(args.model_name_or_path, args.trust_remote_code, num_labels=1, **init)
+    if score_head:  # (a causal LM's checkpoint: a new head, which load_scorer does not report; LoRA adapters, a policy's
+        # or reward.py's: their base with them merged, as the other scripts load them)
+        model, new = scorer_or_adapters(args.model_name_or_path, args.trust_remote_code, num_labels=1, **init)
         model.config.pad_token_id = run.tokenizer.pad_token_id  # (its own forward pools at the last non-pad token)
         if new:  # the same on every process
             init_value_head(model.score, getattr(model.config, "initializer_range", 0.02), args.seed)

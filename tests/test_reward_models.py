@@ -176,6 +176,12 @@ def test_reward_py_lora_adapters_load_as_a_reward_model(run, tmp_path, tools_mod
     saved = transformers.AutoModelForSequenceClassification.from_pretrained(critic / "critic").eval()
     assert saved(ids).logits[0, 0].item() == pytest.approx(model(ids).logits[0, 0].item(), abs=1e-5)
 
+    # and reward.py's own --model_name_or_path, without --use_peft: the merge, its trained head too, trained whole
+    again = tmp_path / "again"
+    check_ok(run(reward_py(base, chat_pairs, again, "--learning_rate 0").replace(f" {base} ", f" {rm} "), cwd=tmp_path))
+    saved = transformers.AutoModelForSequenceClassification.from_pretrained(again).eval()
+    assert saved(ids).logits[0, 0].item() == pytest.approx(model(ids).logits[0, 0].item(), abs=1e-5)
+
 
 def test_a_value_model_of_another_vocabulary_is_refused_before_it_loads(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """PPO's critic reads the policy's tokens: --value_model_path of another width (a saved critic holds no tokenizer to
