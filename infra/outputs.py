@@ -280,7 +280,8 @@ def checkpoints(output_dir):
 
 def open_output_dir(args):
     """The run's name, and args.output_dir (default output/{run_name}). Refuses a --resume without a complete
-    checkpoint or with arguments that change what the run computes, and a new run into a folder that holds one."""
+    checkpoint or with arguments that change what the run computes, and a new run into a folder that holds one or a
+    model."""
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("output", run_name)
     if args.resume and not checkpoints(args.output_dir):
@@ -288,6 +289,9 @@ def open_output_dir(args):
     if not args.resume and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         resumable = " or add --resume to continue it" if checkpoints(args.output_dir) else ""
         die(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl): choose another folder{resumable}")
+    held = [f for f in ("config.json", "adapter_config.json") if os.path.exists(os.path.join(args.output_dir, f))]
+    if not args.resume and held:  # (a model's folder, --model_name_or_path's perhaps: the run would write over it)
+        die(f"--output_dir {args.output_dir!r} holds a model ({held[0]}), not a run: choose another folder")
     if args.resume and os.path.exists(os.path.join(args.output_dir, "args.json")):
         with open(os.path.join(args.output_dir, "args.json")) as f:
             saved, now = json.load(f), json.loads(json.dumps(vars(args)))  # (as JSON has them: tuples as lists)

@@ -253,6 +253,7 @@ BAD_REWARDS = {
         ("episodes_not_a_multiple", "x num_mini_batches): try 8 or 12"),
         ("reward_model_labels", "num_labels=2"),
         ("output_dir_taken", "already holds a run"),
+        ("output_dir_model", "holds a model (config.json), not a run"),
         ("no_stop_token", "has no EOS token"),
     ],
 )
@@ -311,6 +312,10 @@ def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_mode
         tok.eos_token = None
         tok.save_pretrained(tmp_path / "no_eos")
         args["--model_name_or_path"] = tmp_path / "no_eos"
+    elif case == "output_dir_model":  # the model's own folder
+        import shutil
+
+        args["--model_name_or_path"] = shutil.copytree(tiny_model_dir, tmp_path / "out")
     elif case == "output_dir_taken":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")
