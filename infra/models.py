@@ -63,6 +63,10 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     except (OSError, ValueError, TypeError, ImportError, SafetensorError) as e:  # (a keyword unknown, or its package missing)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
     model = onednn.route(obj[0] if isinstance(obj, tuple) else obj)  # (output_loading_info: the model, its report)
+    if auto_cls is AutoModelForCausalLM:  # a reward model's folder: transformers would start its LM head at random
+        scorer = [a for a in model.config.architectures or [] if a.endswith("ForSequenceClassification")]
+        if scorer:
+            die(f"{name!r} is a {scorer[0]} (a reward model?), not a causal language model")
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         # transformers dequantizes GGUF weights to fp32; without the marker the model trains and saves as any other
         model.hf_quantizer.remove_quantization_config(model)

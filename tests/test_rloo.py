@@ -254,6 +254,7 @@ BAD_REWARDS = {
         ("reward_model_labels", "num_labels=2"),
         ("output_dir_taken", "already holds a run"),
         ("output_dir_model", "holds a model (config.json), not a run"),
+        ("policy_a_reward_model", "ForSequenceClassification (a reward model?), not a causal language model"),
         ("no_stop_token", "has no EOS token"),
     ],
 )
@@ -312,6 +313,12 @@ def test_bad_input_gives_one_line_error(case, expected, run, tmp_path, tiny_mode
         tok.eos_token = None
         tok.save_pretrained(tmp_path / "no_eos")
         args["--model_name_or_path"] = tmp_path / "no_eos"
+    elif case == "policy_a_reward_model":  # (with no LM head of its own, transformers would start one at random)
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(tmp_path / "rm")
+        AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm")
+        args["--model_name_or_path"] = tmp_path / "rm"
     elif case == "output_dir_model":  # the model's own folder
         import shutil
 
