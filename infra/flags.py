@@ -308,6 +308,8 @@ class EvalArgs(Checked):
             self.num_eval_generations, self.num_generations_eval = self.num_generations_eval, None
         at_least(self, 0, "eval_every", "num_eval_generations")
         at_least(self, 1, "eval_batch_size")
+        if self.eval_every and self.eval_dataset_name is None:
+            die("--eval_every needs --eval_dataset_name, the held-out prompts it evaluates")
         check_paths(self, "eval_dataset_name")
         super().__post_init__()
 

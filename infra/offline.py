@@ -82,6 +82,8 @@ class ExampleArgs(TrainArgs):
             die("--dataset_name is needed: a hub dataset id or a local file")
         if self.eval_every < 0 or self.eval_batch_size < 1 or (self.max_length is not None and self.max_length < 2):
             die("--eval_every must be >= 0, --eval_batch_size >= 1 and --max_length >= 2")
+        if self.eval_every and self.eval_dataset_name is None:
+            die("--eval_every needs --eval_dataset_name, the held-out set it evaluates")
         if self.num_train_epochs <= 0:
             die(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
         check_paths(self, "model_name_or_path", "dataset_name", "eval_dataset_name", "chat_template")

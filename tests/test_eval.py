@@ -103,7 +103,7 @@ def test_held_out_evaluation_matches_a_recomputation(script, run, tmp_path, tiny
 
 def test_evaluation_refusals_are_one_line(run, tmp_path, tiny_model_dir, tiny_prompts_file):
     """Before any work: a held-out set without a column a reward function reads (one it names; any, for one taking
-    **kwargs), a bad --eval_every, a missing file."""
+    **kwargs), a bad --eval_every or one without a held-out set, a missing file."""
     (tmp_path / "rewards.py").write_text(REWARDS)
     (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "Describe the sea", "target": 3}) + "\n")
     lacks = "error: --eval_dataset_name lacks the column(s) ['target'], which reward function"
@@ -112,6 +112,7 @@ def test_evaluation_refusals_are_one_line(run, tmp_path, tiny_model_dir, tiny_pr
         ("near", f"--eval_dataset_name {tiny_prompts_file}", f"{lacks} '{tmp_path}/rewards.py:near'"),
         ("anything", f"--eval_dataset_name {tiny_prompts_file}", f"{lacks} '{tmp_path}/rewards.py:anything'"),
         ("near", "--eval_dataset_name missing.jsonl", "error: --eval_dataset_name 'missing.jsonl' does not exist"),
+        ("near", "--eval_every 8", "error: --eval_every needs --eval_dataset_name, the held-out prompts it evaluates"),
     ]:
         data = f"--dataset_name {tmp_path}/train.jsonl --reward_fn {tmp_path}/rewards.py:{reward}"
         proc = run(f"rloo.py --model_name_or_path {tiny_model_dir} {data} {extra} --output_dir {tmp_path}/out", cwd=tmp_path)

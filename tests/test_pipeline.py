@@ -791,6 +791,7 @@ def test_bad_data_stops_in_one_line_before_any_work(script, rows, error, run, tm
         ("dpo.py", "--loss_type simpo --cpo_alpha 3", "CPO-SimPO is --loss_type simpo sft --loss_weights 1 3.0"),
         ("dpo.py", "--loss_type sft --ld_alpha 0.5", "--ld_alpha is not read by --loss_type sft (it loads no reference)"),
         ("kto.py", "--desirable_weight 0 --undesirable_weight 0", "are both 0: the loss would be 0"),
+        ("sft.py", "--eval_dataset_name None --eval_every 8", "--eval_every needs --eval_dataset_name"),
     ],
 )
 def test_flags_that_the_losses_would_not_read_are_refused(script, flags, error, run, tmp_path, tiny_model_dir, data):
