@@ -371,6 +371,9 @@ def start(args, k=1, default_reward="sentiment", examples=None, columns=None, he
         if args.num_train_epochs * examples < args.batch_size:
             note(f"{examples} examples make less than a batch of {args.batch_size}: one batch, each about "
                  f"{args.batch_size / examples:.1f} times")  # fmt: skip
+        elif (left := int(args.num_train_epochs * examples) - args.total_episodes) > 0:  # (TRL: a last, smaller batch)
+            note(f"{int(args.num_train_epochs * examples)} examples (--num_train_epochs over {examples}) make "
+                 f"{args.total_episodes // args.batch_size} whole batches of {args.batch_size}: {left} left out")  # fmt: skip
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1 or args.total_episodes % args.batch_size:
         below = args.num_updates * args.batch_size

@@ -538,18 +538,22 @@ def test_an_epoch_is_a_pass_over_the_examples_kept(script, run, tmp_path, tiny_m
     outs = []
     for name, data in [("all", rows), ("kept", kept)]:
         out = tmp_path / name
-        proc = run(
+        command = (
             f"{script} --model_name_or_path {tiny_model_dir} --dataset_name {write(tmp_path / f'{name}.jsonl', data)}"
             f" --max_length 64 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --learning_rate 1e-3"
-            f" --no_save_model --output_dir {out}",
-            cwd=tmp_path,
+            f" --no_save_model --output_dir {out}"
         )
+        proc = run(command, cwd=tmp_path)
         check_ok(proc)
         assert ("note: 16 of 32" in proc.stdout) == (name == "all")
         saved = json.loads((out / "args.json").read_text())
         assert (saved["total_episodes"], saved["num_updates"]) == (16, 2)
         outs.append(without_eps(read_metrics(out)))
     assert len(outs[0]) == 2 + (script == "reward.py") and outs[0] == outs[1]  # (2 updates; reward.py's offset)
+    if script == "sft.py":  # passes that end inside a batch: whole batches, as the note says (TRL trains a last one)
+        proc = run(f"{command.replace(f'--output_dir {out}', f'--output_dir {tmp_path}/again')} --num_train_epochs 1.25", cwd=tmp_path)
+        check_ok(proc)
+        assert "note: 20 examples (--num_train_epochs over 16) make 2 whole batches of 8: 4 left out" in proc.stdout
 
 
 def test_sft_dft_loss_and_trls_data_names(run, tmp_path, tiny_model_dir):
