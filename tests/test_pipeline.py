@@ -551,7 +551,8 @@ def test_an_epoch_is_a_pass_over_the_examples_kept(script, run, tmp_path, tiny_m
         outs.append(without_eps(read_metrics(out)))
     assert len(outs[0]) == 2 + (script == "reward.py") and outs[0] == outs[1]  # (2 updates; reward.py's offset)
     if script == "sft.py":  # passes that end inside a batch: whole batches, as the note says (TRL trains a last one)
-        proc = run(f"{command.replace(f'--output_dir {out}', f'--output_dir {tmp_path}/again')} --num_train_epochs 1.25", cwd=tmp_path)
+        again = command.replace(f"--output_dir {out}", f"--output_dir {tmp_path}/again")
+        proc = run(f"{again} --num_train_epochs 1.25", cwd=tmp_path)
         check_ok(proc)
         assert "note: 20 examples (--num_train_epochs over 16) make 2 whole batches of 8: 4 left out" in proc.stdout
 
