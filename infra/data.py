@@ -86,7 +86,8 @@ def note(msg):
 
 
 def read_dataset(dataset_name, split):
-    """A non-empty datasets.Dataset from a hub id or a local .jsonl/.json/.parquet/.csv file or folder, or one line."""
+    """A non-empty datasets.Dataset from a hub id or a local .jsonl/.json/.parquet/.csv file or folder (or a folder
+    written by save_to_disk: a Dataset, of the split asked if it names one, or a DatasetDict's split), or one line."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -103,6 +104,10 @@ def read_dataset(dataset_name, split):
             if os.path.getsize(dataset_name) == 0:
                 die(f"dataset {dataset_name!r} is empty")
             ds = datasets.load_dataset(builder, data_files={split: dataset_name}, split=split)
+        elif os.path.isfile(os.path.join(dataset_name, "state.json")):  # a Dataset's save_to_disk: one split, its own
+            ds = datasets.load_from_disk(dataset_name)
+            if ds.split is not None and str(ds.split) != split:
+                die(f"dataset {dataset_name!r} holds the split {str(ds.split)!r} alone, not {split!r}")
         else:
             ds = datasets.load_dataset(dataset_name, CONFIGS.get(dataset_name), split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:

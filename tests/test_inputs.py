@@ -416,6 +416,27 @@ def test_where_a_dataset_file_fails_to_parse(tmp_path, capsys):
     assert refusal(folder).endswith("b.jsonl, line 2: Expecting property name enclosed in double quotes (column 16)")
 
 
+def test_a_folder_written_by_save_to_disk_loads(tmp_path):
+    """read_dataset: a Dataset's save_to_disk folder (load_dataset refuses it) as the Dataset, of the split asked where
+    it names one (else one line); a DatasetDict's, the split asked"""
+    import datasets
+
+    from infra.data import read_dataset
+
+    rows = [{"prompt": f"Write about {w}"} for w in ("rain", "snow", "fog")]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "plain"))
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    named = datasets.load_dataset("json", data_files={"train": str(tmp_path / "r.jsonl")}, split="train")
+    named.save_to_disk(str(tmp_path / "named"))
+    datasets.DatasetDict({"train": named, "test": named.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    assert read_dataset(str(tmp_path / "plain"), "validation").to_list() == rows
+    assert read_dataset(str(tmp_path / "named"), "train").to_list() == rows
+    assert read_dataset(str(tmp_path / "dict"), "test").to_list() == rows[:1]
+    with pytest.raises(SystemExit) as stop:
+        read_dataset(str(tmp_path / "named"), "test")
+    assert str(stop.value) == f"error: dataset {str(tmp_path / 'named')!r} holds the split 'train' alone, not 'test'"
+
+
 def test_which_paths_are_local(tmp_path, monkeypatch, capsys):
     """check_paths: a hub id is left to the hub even where a folder of its owner's name is here; a path holding '=' is a
     reward function's file, not a name; data/... missing here is the repository's (said in a note); a path missing its
