@@ -28,13 +28,17 @@ def is_chat(value):
 
 
 def template_ids(tokenizer, messages, tools=None, add_generation_prompt=False, where="a conversation"):
-    """messages' token ids by the chat template; where: the row they are, for the line a template's error stops with"""
+    """messages' token ids by the chat template, with the generation prompt where asked, or, where they end with an
+    assistant's message (a prefill), that message left open to be continued, as TRL renders a prompt; where: the row
+    they are, for the line a template's error stops with"""
     if tokenizer.chat_template is None:
         die("the dataset holds chat messages but the tokenizer has no chat template: give one with --chat_template")
+    prefill = add_generation_prompt and bool(messages) and messages[-1].get("role") == "assistant"
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
+            messages, tools=tools, add_generation_prompt=add_generation_prompt and not prefill,
+            continue_final_message=prefill, tokenize=True, return_dict=False,
+        )  # fmt: skip
     except (jinja2.TemplateError, TypeError, ValueError) as e:  # (a message it cannot render, no message at all)
         die(f"{where}: the chat template cannot render it: {e}")
     return list(ids)

@@ -2,6 +2,7 @@
 logprobs, sampling."""
 
 import functools
+import json
 import math
 import os
 import statistics
@@ -806,6 +807,11 @@ def test_load_prompts_from_files_folders_and_chat_messages(tmp_path, tiny_model_
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "hi there"}]}\n')
     queries, texts, _, _ = infra.data.load_prompts(str(tmp_path / "chat.jsonl"), "train", "prompt", tok, max_prompt_length=64)
     assert texts == ["hi there"] and tok.decode(queries[0]) == "<user>hi there<assistant>"
+    # a prompt ending with the assistant's words (a prefill): continued, not closed, as TRL renders it
+    prefill = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "Well, the"}]
+    (tmp_path / "prefill.jsonl").write_text(json.dumps({"prompt": prefill}) + "\n")
+    queries, _, _, _ = infra.data.load_prompts(str(tmp_path / "prefill.jsonl"), "train", "prompt", tok, max_prompt_length=64)
+    assert tok.decode(queries[0]) == "<user>hi there<assistant>Well, the"
 
 
 def test_same_vocabulary_ignores_an_added_pad_token(tiny_tokenizer_dir, tmp_path):
