@@ -178,10 +178,11 @@ def pair_rows(tokenizer, ds, where, max_length, truncate):
             chosen_ids, rejected_ids = chosen_ids[: max_length - len(head)], rejected_ids[: max_length - len(head)]
         margin = float(row.get("margin", 0.0))
         rows.append({"prompt": head, "chosen": chosen_ids, "rejected": rejected_ids, "margin": margin, "row": i})
+    why = "have a prompt filling --max_length" if truncate else "are longer than --max_length"  # (truncate: the others cut)
     if dropped:
-        note(f"{dropped} of {len(ds)} pairs in {where} are longer than --max_length {max_length} tokens: left out")
+        note(f"{dropped} of {len(ds)} pairs in {where} {why} {max_length} tokens: left out")
     if not rows:
-        die(f"every pair in {where} is longer than --max_length {max_length} tokens")
+        die(f"every pair in {where} is left out: they {why} {max_length} tokens")
     return rows
 
 
