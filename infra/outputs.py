@@ -57,7 +57,7 @@ CONSOLE = [
 
 
 def update_line(row, update, num_updates):
-    """The console's line for an update's metrics row: "update 3/24  episode 48  score 0.213  kl 0.0121 ..." """
+    """The console's line for an update's metrics row: "update 3/24  episode 48  score 0.3675  kl 1.702 ..." """
     parts = [f"update {update}/{num_updates}", f"episode {row['episode']}"]
     parts += [f"{label} {row[key]:.4g}" for label, key in CONSOLE if key in row]
     return "  ".join(parts + [f"{row['eps']:.3g} episodes/s"])
