@@ -46,6 +46,12 @@ ELSEWHERE = {
     "disable_dropout": "no dropout is ever run",
     "report_to": "--track for wandb; TensorBoard is always written",
 }
+# older TRL names of a flag the offline scripts hold as TRL 1.16 does, for the line that refuses them
+RETIRED = {
+    "max_seq_length": "--max_length, TRL 1.16's name",
+    "max_prompt_length": "--max_length, the prompt and completion together, as TRL 1.16's",
+    "max_completion_length": "--max_length, the prompt and completion together, as TRL 1.16's",
+}
 # flags a script takes under TRL's name and ours, one setting the other: given both, the run stops in one line
 PAIRS = [("max_completion_length", "response_length"), ("num_generations_eval", "num_eval_generations"),
          ("max_tool_calling_iterations", "max_turns"), ("chat_template_path", "chat_template"), ("num_generations", "rloo_k"),
@@ -102,7 +108,8 @@ def trl_argv(cls, argv=None):
             elif name == "report_to" and "track" in fields and said <= {"wandb", "all", "none", "tensorboard"}:
                 out += ["--track"] if said & {"wandb", "all"} else []
             elif said not in ALWAYS.get(name, []):
-                unknown.append(f"--{name}" + (f" (TRL's; here {ELSEWHERE[name]})" if name in ELSEWHERE else ""))
+                where = ELSEWHERE.get(name) or (RETIRED[name] if name in RETIRED and "max_length" in fields else None)
+                unknown.append(f"--{name}" + (f" (TRL's; here {where})" if where else ""))
             continue
         out.append(arg)
     for trl, ours in PAIRS:

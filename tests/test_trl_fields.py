@@ -113,6 +113,12 @@ def test_trls_names_run_as_ours_and_a_flag_a_script_lacks_is_one_line(run, tmp_p
     ]
     proc = run("sft.py --no_such_flag 1", tmp_path)
     assert proc.stderr.strip().splitlines() == ["error: unknown flag --no_such_flag: --help lists the script's flags"]
+    with pytest.raises(SystemExit) as stop:  # an older TRL name of a flag sft.py holds as TRL 1.16 does; rloo.py has none
+        infra.trl_argv(sft.Args, ["--max_seq_length", "64"])
+    assert "--max_seq_length (TRL's; here --max_length, TRL 1.16's name)" in str(stop.value)
+    with pytest.raises(SystemExit) as stop:
+        infra.trl_argv(rloo.Args, ["--max_seq_length", "64"])
+    assert str(stop.value) == "error: unknown flag --max_seq_length: --help lists the script's flags"
     # TRL's name and ours of one setting, both given: which would win is not the user's to guess
     proc = run("rloo.py --num_generations 4 --rloo_k=2", tmp_path)
     assert proc.stderr.strip().splitlines() == [
@@ -124,7 +130,6 @@ def test_a_value_the_parser_refuses_is_one_line(run, tmp_path, capsys):
     """infra/argv.checked: a value tyro refuses (its dozen-line box: the message, the flag's help) stops the run in
     one line, the message with the flag's usage, before any work; a check's own line (utils.die) and --help as they
     were; tyro's box, as drawn on a terminal, read the same way (unboxed)"""
-    import pytest
 
     import grpo
     import infra
