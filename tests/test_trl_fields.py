@@ -130,7 +130,6 @@ def test_a_value_the_parser_refuses_is_one_line(run, tmp_path, capsys):
     """infra/argv.checked: a value tyro refuses (its dozen-line box: the message, the flag's help) stops the run in
     one line, the message with the flag's usage, before any work; a check's own line (utils.die) and --help as they
     were; tyro's box, as drawn on a terminal, read the same way (unboxed)"""
-
     import grpo
     import infra
     import rloo
