@@ -256,8 +256,15 @@ def main(args):
                         run.update_ema(policy)  # --ema_beta
 
                         real = sampled[micro]
+                        # TRL 1.16's names: the token mean entropy; the completions whose gradient the clip removed
+                        low = ((ratio < 1.0 - args.cliprange) & (advantages[micro] < 0)).float()
+                        high = ((ratio > 1.0 + epsilon_high) & (advantages[micro] > 0)).float()
+                        stats.add_tokens(counted[micro], entropy=entropy)
                         stats.add(
                             **{
+                                "clip_ratio/low_mean": low.mean(),
+                                "clip_ratio/high_mean": high.mean(),
+                                "clip_ratio/region_mean": (low + high).mean(),
                                 "policy/approxkl_avg": 0.5 * (logprobs_diff**2).mean(),
                                 "policy/clipfrac_avg": (pg_losses2 > pg_losses).float().mean(),
                                 "loss/policy_avg": pg_loss,
@@ -273,6 +280,8 @@ def main(args):
         policy.eval()
         if on_policy:  # the KL, 0 in the reward, for the metrics
             kl = utils.kl_estimate(logprobs, ref_logprobs, args.kl_estimator).masked_fill(~counted, 0.0)
+        if args.kl_coef:  # TRL's kl: per token
+            stats.add_tokens(counted, kl=kl)
 
         # the update's statistics, averaged over the processes as they are written
         stats.add(

@@ -14,6 +14,9 @@ KEYS = (
 ).split()
 
 
+TRL_KEYS = "entropy kl clip_ratio/low_mean clip_ratio/high_mean clip_ratio/region_mean".split()  # TRL 1.16's RLOO names
+
+
 def reward_keys(*names):
     """the per-source metrics of the reward sources named"""
     return [f"rewards/{name}/{stat}" for name in names for stat in ("mean", "std")]
@@ -48,13 +51,17 @@ def test_end_to_end_writes_metrics_and_a_loadable_model(run, tmp_path, tiny_mode
     assert len(rows) == 3  # 96 episodes / (8 * 2 * 2 completions per update)
     assert [r["episode"] for r in rows] == [32, 64, 96]
     for r in rows:
-        assert sorted(r) == sorted(KEYS + reward_keys("sentiment"))
+        assert sorted(r) == sorted(KEYS + TRL_KEYS + reward_keys("sentiment"))
         assert all(math.isfinite(v) for v in r.values())
         # non_score_reward is -kl_coef * kl, rlhf_reward = scores + non_score_reward
         assert r["objective/non_score_reward"] == pytest.approx(-0.05 * r["objective/kl"], abs=1e-6)
         assert r["objective/rlhf_reward"] == pytest.approx(r["objective/scores"] + r["objective/non_score_reward"], abs=1e-5)
         assert 0 <= r["val/num_eos_tokens"] <= 32 and 0 <= r["policy/clipfrac_avg"] <= 1
         assert 1 <= r["val/response_length"] <= 12
+        # TRL's names: the KL per token (objective/kl per completion), the clipped completions (the seed's clipfrac)
+        assert r["kl"] == pytest.approx(r["objective/kl"] / r["val/response_length"], rel=1e-4, abs=1e-7)
+        assert r["clip_ratio/region_mean"] == pytest.approx(r["policy/clipfrac_avg"], abs=1e-6)
+        assert r["clip_ratio/region_mean"] == pytest.approx(r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"], abs=1e-6)
     # each update's last of its 4 optimiser steps (2 epochs x 2 mini-batches), the rate linear over 12 (TRL's steps)
     assert [r["lr"] for r in rows] == pytest.approx([5e-5 * (1 - 3 / 12), 5e-5 * (1 - 7 / 12), 5e-5 * (1 - 11 / 12)])
     assert (out / "runs").is_dir()  # tensorboard
@@ -348,7 +355,7 @@ def test_embedded_default_runs_offline(run, tmp_path):
     )
     check_ok(proc)
     (row,) = read_metrics(out)
-    assert sorted(row) == sorted(KEYS + reward_keys("sentiment")) and row["episode"] == 8
+    assert sorted(row) == sorted(KEYS + TRL_KEYS + reward_keys("sentiment")) and row["episode"] == 8
     assert -1.0 <= row["objective/scores"] <= 1.0
     from transformers import AutoModelForCausalLM
 
