@@ -5,8 +5,7 @@ import os
 
 import pytest
 from test_rloo import KEYS as RLOO_KEYS
-from test_rloo import TRL_KEYS
-from test_rloo import check_ok, read_metrics, reward_keys
+from test_rloo import TRL_KEYS, check_ok, read_metrics, reward_keys
 
 PPO_KEYS = RLOO_KEYS + ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "objective/kl_coef"]
 EVAL_KEYS = ["episode", "eval/scores", "eval/unscored", "eval/response_length", "eval/stopped_fraction"]
@@ -74,7 +73,8 @@ def test_rloo_tldr_trains_and_evaluates(run, tmp_path, tldr_dir, tiny_model_dir,
     train = [r for r in rows if "objective/scores" in r]
     evals = [r for r in rows if "eval/scores" in r]
     rm_keys = reward_keys(os.path.basename(tiny_reward_model_dir))  # the reward model's rewards/<name>/...
-    assert [r["episode"] for r in train] == [16, 32] and all(sorted(r) == sorted(RLOO_KEYS + TRL_KEYS + rm_keys) for r in train)
+    assert [r["episode"] for r in train] == [16, 32]
+    assert all(sorted(r) == sorted(RLOO_KEYS + TRL_KEYS + rm_keys) for r in train)
     assert [r["episode"] for r in evals] == [0, 16, 32] and all(sorted(r) == sorted(EVAL_KEYS) for r in evals)
     # the schedule steps once per update (TRL 0.x's RLOOTrainer), though an update takes 4 optimiser steps here
     assert [r["lr"] for r in train] == pytest.approx([3e-6, 1.5e-6])
