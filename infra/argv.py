@@ -12,7 +12,7 @@ import re
 import sys
 import typing
 
-from utils import die
+from utils import Stopped, die
 
 BOOLEANS = {"true": True, "t": True, "yes": True, "y": True, "1": True, "false": False, "f": False, "no": False, "n": False,
             "0": False}  # fmt: skip
@@ -138,16 +138,16 @@ def checked(cls, argv):
 
     if {"-h", "--help"} & set(argv):
         return argv
-    held = io.StringIO()
+    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(held), contextlib.redirect_stdout(held):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             tyro.cli(cls, args=argv, use_underscores=True)
+    except Stopped:  # a check's own line (utils.die), and the notes before it, as they were
+        print(out.getvalue(), end="", flush=True)
+        print(err.getvalue(), end="", file=sys.stderr, flush=True)
+        raise
     except SystemExit:
-        text = held.getvalue()
-        if text.startswith("error: ") or not text.strip():  # a check's own line (utils.die), as it was
-            print(text, end="", file=sys.stderr, flush=True)
-            raise
-        die(unboxed(text))
+        die(unboxed(err.getvalue() or out.getvalue()))
     return argv
 
 

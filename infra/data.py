@@ -157,17 +157,8 @@ def json_error(path):
     return None
 
 
-def load_prompts(
-    dataset_name,
-    split,
-    prompt_field,
-    tokenizer,
-    max_prompt_length,
-    reference_field=None,
-    long_prompts="drop",
-    raw=None,
-    env=None,
-):
+def load_prompts(dataset_name, split, prompt_field, tokenizer, max_prompt_length, reference_field=None, long_prompts="drop",
+                 raw=None, env=None):  # fmt: skip
     """(token-id lists, prompt texts, reference completions (reference_field, stripped; None without it), the rows'
     other columns {name: list}). Chat messages go through the tokenizer's chat template with the generation prompt
     (and with env, --environment's Environments, the schemas of the tools the row's environment offers), strings are

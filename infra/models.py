@@ -63,10 +63,9 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     except (OSError, ValueError, TypeError, ImportError, SafetensorError) as e:  # (a keyword unknown, or its package missing)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
     model = onednn.route(obj[0] if isinstance(obj, tuple) else obj)  # (output_loading_info: the model, its report)
-    if auto_cls is AutoModelForCausalLM:  # a reward model's folder: transformers would start its LM head at random
-        scorer = [a for a in model.config.architectures or [] if a.endswith("ForSequenceClassification")]
-        if scorer:
-            die(f"{name!r} is a {scorer[0]} (a reward model?), not a causal language model")
+    kinds = getattr(model.config, "architectures", None) or [] if auto_cls is AutoModelForCausalLM else []
+    if any(kind.endswith("ForSequenceClassification") for kind in kinds):  # (its LM head would start at random)
+        die(f"{name!r} is a {kinds[0]} (a reward model?), not a causal language model")
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
         # transformers dequantizes GGUF weights to fp32; without the marker the model trains and saves as any other
         model.hf_quantizer.remove_quantization_config(model)
@@ -273,14 +272,16 @@ def load_policy(run, reference=True, reference_kwargs=None):
         ref_policy = load_pretrained(AutoModelForCausalLM, teacher, args.trust_remote_code, **(reference_kwargs or {}))
         ref_policy.eval().requires_grad_(False)
         check_model(ref_policy)
-    elif reference and not args.use_peft:  # (under ZeRO-3 the weights are sharded as they load: loaded anew)
-        ref_policy = (
-            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
-            if zero3(accelerator)
-            else copy.deepcopy(policy)
-        )
-        ref_policy.eval().requires_grad_(False)
+    elif reference and not args.use_peft:
+        ref_policy = again(policy, args, init, accelerator).eval().requires_grad_(False)
     return trainable(policy, args), float32_head(ref_policy, args) if teacher is None else ref_policy
+
+
+def again(policy, args, init, accelerator):
+    """The frozen reference: a copy of the policy, or under ZeRO-3 (its weights sharded as they load) loaded anew"""
+    if zero3(accelerator):
+        return load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
+    return copy.deepcopy(policy)
 
 
 def load_policy_and_critic(run, value_model_path=None, shared=False):
@@ -312,12 +313,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     check_model(policy, critic=not (shared or value_model_path or rm_critic))
     ref_policy = None
     if not args.use_peft:
-        ref_policy = (
-            load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
-            if zero3(accelerator)
-            else copy.deepcopy(policy)
-        )
-        float32_head(ref_policy.eval().requires_grad_(False), args)
+        ref_policy = float32_head(again(policy, args, init, accelerator).eval().requires_grad_(False), args)
     # the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded anew)
     if rm_critic and not shared:
         critic = (
