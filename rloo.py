@@ -259,14 +259,15 @@ def main(args):
                         # TRL 1.16's names: the token mean entropy; the completions whose gradient the clip removed
                         low = ((ratio < 1.0 - args.cliprange) & (advantages[micro] < 0)).float()
                         high = ((ratio > 1.0 + epsilon_high) & (advantages[micro] > 0)).float()
+                        clipped = (pg_losses2 > pg_losses).float().mean()  # (the same completions as low or high)
                         stats.add_tokens(counted[micro], entropy=entropy)
                         stats.add(
                             **{
                                 "clip_ratio/low_mean": low.mean(),
                                 "clip_ratio/high_mean": high.mean(),
-                                "clip_ratio/region_mean": (low + high).mean(),
+                                "clip_ratio/region_mean": clipped,
                                 "policy/approxkl_avg": 0.5 * (logprobs_diff**2).mean(),
-                                "policy/clipfrac_avg": (pg_losses2 > pg_losses).float().mean(),
+                                "policy/clipfrac_avg": clipped,
                                 "loss/policy_avg": pg_loss,
                                 "policy/entropy_avg": entropy.masked_fill(~real, 0.0).sum() / real.sum(),
                                 "val/ratio": ratio.mean(),

@@ -63,7 +63,7 @@ def load_pretrained(auto_cls, name, trust_remote_code=False, **kwargs):
     except (OSError, ValueError, TypeError, ImportError, SafetensorError) as e:  # (a keyword unknown, or its package missing)
         die(f"cannot load {name!r} with {auto_cls.__name__}: {str(e).strip().splitlines()[0]}")
     model = onednn.route(obj[0] if isinstance(obj, tuple) else obj)  # (output_loading_info: the model, its report)
-    kinds = getattr(model.config, "architectures", None) or [] if auto_cls is AutoModelForCausalLM else []
+    kinds = (model.config.architectures or []) if auto_cls is AutoModelForCausalLM else []  # (not a tokenizer's)
     if any(kind.endswith("ForSequenceClassification") for kind in kinds):  # (its LM head would start at random)
         die(f"{name!r} is a {kinds[0]} (a reward model?), not a causal language model")
     if gguf_file and getattr(model, "hf_quantizer", None) is not None:
@@ -273,15 +273,14 @@ def load_policy(run, reference=True, reference_kwargs=None):
         ref_policy.eval().requires_grad_(False)
         check_model(ref_policy)
     elif reference and not args.use_peft:
-        ref_policy = again(policy, args, init, accelerator).eval().requires_grad_(False)
+        ref_policy = reference_of(policy, args, init, accelerator)
     return trainable(policy, args), float32_head(ref_policy, args) if teacher is None else ref_policy
 
 
-def again(policy, args, init, accelerator):
+def reference_of(policy, args, init, accelerator):
     """The frozen reference: a copy of the policy, or under ZeRO-3 (its weights sharded as they load) loaded anew"""
-    if zero3(accelerator):
-        return load_pretrained(AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
-    return copy.deepcopy(policy)
+    load = functools.partial(load_pretrained, AutoModelForCausalLM, args.model_name_or_path, args.trust_remote_code, **init)
+    return (load() if zero3(accelerator) else copy.deepcopy(policy)).eval().requires_grad_(False)
 
 
 def load_policy_and_critic(run, value_model_path=None, shared=False):
@@ -313,7 +312,7 @@ def load_policy_and_critic(run, value_model_path=None, shared=False):
     check_model(policy, critic=not (shared or value_model_path or rm_critic))
     ref_policy = None
     if not args.use_peft:
-        ref_policy = float32_head(again(policy, args, init, accelerator).eval().requires_grad_(False), args)
+        ref_policy = float32_head(reference_of(policy, args, init, accelerator), args)
     # the critic, a sequence-classification model whose score head reads every position (under ZeRO-3 loaded anew)
     if rm_critic and not shared:
         critic = (

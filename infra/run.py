@@ -367,13 +367,14 @@ def start(args, k=1, default_reward="sentiment", examples=None, columns=None, he
     args.local_batch_size = args.local_mini_batch_size * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
     if args.total_episodes is None:  # (sft.py, reward.py, dpo.py) --num_train_epochs passes over the examples they keep
-        args.total_episodes = max(1, int(args.num_train_epochs * examples) // args.batch_size) * args.batch_size
+        passes = int(args.num_train_epochs * examples)
+        args.total_episodes = max(1, passes // args.batch_size) * args.batch_size
         if args.num_train_epochs * examples < args.batch_size:
             note(f"{examples} examples make less than a batch of {args.batch_size}: one batch, each about "
                  f"{args.batch_size / examples:.1f} times")  # fmt: skip
-        elif (left := int(args.num_train_epochs * examples) - args.total_episodes) > 0:  # (TRL: a last, smaller batch)
-            note(f"{int(args.num_train_epochs * examples)} examples (--num_train_epochs over {examples}) make "
-                 f"{args.total_episodes // args.batch_size} whole batches of {args.batch_size}: {left} left out")  # fmt: skip
+        elif passes > args.total_episodes:  # (TRL: a last, smaller batch)
+            note(f"{passes} examples (--num_train_epochs over {examples}) make {args.total_episodes // args.batch_size} "
+                 f"whole batches of {args.batch_size}: {passes - args.total_episodes} left out")  # fmt: skip
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1 or args.total_episodes % args.batch_size:
         below = args.num_updates * args.batch_size
